@@ -1,0 +1,152 @@
+"""Safetensors checkpoints: atomic, checksummed, and never unpickled.
+
+A checkpoint holds tensors (trainable parameters, stage state, RNG state) and one metadata entry,
+``dpregistry``, with JSON: the step, the resolved recipe and its hash, the non-tensor stage state
+(the privacy ledger among it), the library version and a SHA-256 of all tensor bytes. A file
+whose checksum does not match (a torn write, a flipped bit) is refused, and the run falls back
+to the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .errors import UserError
+
+META_KEY = "dpregistry"
+NAME = re.compile(r"^step-(\d+)\.safetensors$")
+
+
+class CorruptCheckpoint(Exception):
+    pass
+
+
+def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k].detach().contiguous().cpu()
+        h.update(k.encode())
+        h.update(str(t.dtype).encode() + str(tuple(t.shape)).encode())
+        if t.numel():
+            h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+# -- nested state <-> (json, tensors) -----------------------------------------------------
+
+
+def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Replace tensors in a nested state by {"__tensor__": key}, collecting them in ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj.detach().contiguous().cpu()
+        return {"__tensor__": prefix}
+    if isinstance(obj, dict):
+        return {str(k): split_state(v, f"{prefix}/{k}", tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [split_state(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]
+    return obj
+
+
+def join_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"__tensor__"}:
+            return tensors[obj["__tensor__"]]
+        return {k: join_state(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [join_state(v, tensors) for v in obj]
+    return obj
+
+
+# -- files -------------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Write to a temporary file in the same folder, fsync, rename, fsync the folder."""
+    path = Path(path)
+    meta = dict(meta, checksum=tensor_digest(tensors))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={META_KEY: json.dumps(meta, sort_keys=True)})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read(path: Path, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Load a checkpoint written by :func:`write_atomic` (safetensors only: no pickle)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get(META_KEY)
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # truncated header, not a safetensors file, ...
+        raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
+    if raw is None:
+        raise CorruptCheckpoint(f"{path}: not a dpregistry checkpoint (no metadata)")
+    meta = json.loads(raw)
+    if verify and meta.get("checksum") != tensor_digest(tensors):
+        raise CorruptCheckpoint(f"{path}: checksum mismatch")
+    return tensors, meta
+
+
+def checkpoint_path(folder: Path, step: int) -> Path:
+    return Path(folder) / f"step-{step:08d}.safetensors"
+
+
+def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in folder.iterdir() if (m := NAME.match(p.name))]
+    return sorted(out)
+
+
+def latest_valid(folder: Path, warn=print) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path] | None:
+    """The newest checkpoint that loads and verifies; corrupted ones are skipped with a warning."""
+    for _, path in reversed(list_checkpoints(folder)):
+        try:
+            tensors, meta = read(path)
+            return tensors, meta, path
+        except CorruptCheckpoint as e:
+            warn(f"warning: skipping corrupted checkpoint {e}")
+    return None
+
+
+def prune(folder: Path, keep: int) -> None:
+    for _, path in list_checkpoints(folder)[:-keep]:
+        path.unlink(missing_ok=True)
+
+
+def require_safetensors(path: Path) -> None:
+    """Refuse anything that is not a safetensors file (pickles run code on load)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8:
+        raise UserError(f"{path}: not a safetensors file")
+    n = int.from_bytes(head, "little")
+    if n <= 0 or n > 100_000_000 or head[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK"):
+        raise UserError(f"{path}: not a safetensors file (pickle and zip archives are refused)")

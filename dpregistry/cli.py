@@ -1,0 +1,420 @@
+"""``dpreg``: run, resume, validate and inspect private training recipes.
+
+Bad input of any kind prints one line and exits with code 2, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="dpregistry: differentially private optimizers as plugins.")
+privacy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Privacy accounting tools.")
+app.add_typer(privacy_app, name="privacy")
+
+console = Console()
+err = Console(stderr=True)
+
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a recipe key: key.path=value")]
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def fail(e: Exception) -> None:
+    msg = str(e).replace("\n", " ")
+    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+@contextmanager
+def user_errors():
+    try:
+        yield
+    except UserError as e:
+        fail(e)
+
+
+def recipes_dirs() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    return [here.parent / "recipes", Path(sys.prefix) / "share" / "dpregistry" / "recipes"]
+
+
+def find_recipe(name: str) -> Path:
+    """A recipe path, or the name of a recipe shipped with dpregistry (``quickstart``)."""
+    p = Path(name)
+    if p.exists() or p.suffix in (".yaml", ".yml") and p.parent != Path("."):
+        return p
+    for d in recipes_dirs():
+        for cand in (d / name, d / f"{name}.yaml"):
+            if cand.exists():
+                return cand
+    return p
+
+
+def load_recipe(path: str, sets):
+    from .recipe import load
+
+    return load(find_recipe(path), sets or [])
+
+
+# ------------------------------------------------------------------------------------------
+# output folder
+# ------------------------------------------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def run_lock(out: Path):
+    """A lock file naming the process that owns the run folder."""
+    lock = out / ".lock"
+    if lock.exists():
+        try:
+            info = json.loads(lock.read_text())
+        except (OSError, json.JSONDecodeError):
+            info = {}
+        pid = info.get("pid")
+        if pid and info.get("host") == socket.gethostname() and _pid_alive(int(pid)) and int(pid) != os.getpid():
+            raise UserError(f"another run (pid {pid}, started {info.get('started', '?')}) is using this folder",
+                            file=str(out))
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                "started": datetime.now().isoformat(timespec="seconds")}))
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def prepare_out(out: Optional[Path], recipe_path: str, overwrite: bool) -> Path:
+    if out is None:
+        stem = Path(recipe_path).stem
+        out = Path("runs") / f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    if out.exists() and not out.is_dir():
+        raise UserError("--out exists and is not a folder", file=str(out))
+    if out.exists() and any(out.iterdir()):
+        lock = out / ".lock"
+        if lock.exists():
+            try:
+                pid = json.loads(lock.read_text()).get("pid")
+            except (OSError, json.JSONDecodeError):
+                pid = None
+            if pid and _pid_alive(int(pid)):
+                raise UserError(f"another run (pid {pid}) is using this folder", file=str(out))
+        if not overwrite:
+            raise UserError("the output folder already holds a run; pass --overwrite to replace it, "
+                            "or `dpreg resume` it", file=str(out))
+    return out
+
+
+def _writable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"cannot write to the output folder ({e.strerror or e})", file=str(out)) from None
+
+
+# ------------------------------------------------------------------------------------------
+# training
+# ------------------------------------------------------------------------------------------
+
+
+def _train(run, quiet: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    total = run.total_steps
+    state = {"t0": time.time(), "s0": run.step, "loss": float("nan"), "eps": run.epsilon()}
+    if quiet or not run.recipe.train.progress:
+        return run.train()
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[rate]:>6.1f} steps/s"), TextColumn("loss {task.fields[loss]:.4g}"),
+               TextColumn("ε {task.fields[eps]}"), TimeRemainingColumn()]
+    with Progress(*columns, console=console, transient=False) as prog:
+        task = prog.add_task(run.algorithm.name, total=total, completed=run.step, rate=0.0,
+                             loss=float("nan"), eps="-")
+
+        def update(r, metrics):
+            if "loss" in metrics:
+                state["loss"] = metrics["loss"]
+            if r.history and r.history[-1]["step"] == r.step:
+                state["eps"] = r.history[-1].get("epsilon")
+            dt = max(time.time() - state["t0"], 1e-9)
+            eps = state["eps"]
+            prog.update(task, completed=r.step, rate=(r.step - state["s0"]) / dt, loss=state["loss"],
+                        eps="-" if eps is None else f"{eps:.3g}")
+
+        return run.train(progress=update)
+
+
+def _print_summary(summary: dict, out: Path | None) -> None:
+    t = Table(show_header=False, box=None)
+    eps, target = summary.get("epsilon"), summary.get("target_epsilon")
+    if eps is not None:
+        budget = f" of {target:g}" if target else ""
+        t.add_row("privacy", f"ε = {eps:.4g}{budget} at δ = {summary.get('delta'):g} "
+                             f"({summary['accountant']}, {summary['relation'].replace('_', '-')})")
+    if summary.get("rho") is not None:
+        t.add_row("zCDP", f"ρ = {summary['rho']:.4g} of {summary.get('target_rho'):.4g}")
+    if summary.get("noise_multiplier") is not None:
+        t.add_row("noise multiplier", f"{summary['noise_multiplier']:.4g}")
+    t.add_row("steps", str(summary["step"]))
+    for k, v in (summary.get("metrics") or {}).items():
+        t.add_row(f"held-out {k}", f"{v:.4f}" if isinstance(v, float) else str(v))
+    t.add_row("wall time", f"{summary['wall_seconds']:.1f} s")
+    if summary.get("stopped"):
+        t.add_row("stopped", summary["stopped"])
+    if out:
+        t.add_row("output", str(out))
+    console.print(t)
+
+
+@app.command()
+def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of a shipped recipe")],
+        out: Annotated[Optional[Path], typer.Option("--out", help="output folder")] = None,
+        set_: SetOpt = None,
+        overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an earlier run in --out")] = False,
+        quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False):
+    """Train privately with RECIPE; writes metrics.jsonl, summary.json and checkpoints/ under --out."""
+    from .engine import Run, start_run
+
+    _quiet_libraries()
+    with user_errors():
+        r = load_recipe(recipe, set_)
+        out_dir = prepare_out(out, recipe, overwrite)
+        # Everything that can fail on bad input happens before the folder is touched.
+        prepared = Run(r, None).prepare()
+        if out_dir.exists() and overwrite:
+            shutil.rmtree(out_dir)
+        _writable(out_dir)
+        with run_lock(out_dir):
+            run_ = start_run(prepared, out_dir)
+            summary = _train(run_, quiet)
+    _print_summary(summary, out_dir)
+
+
+@app.command()
+def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupted run")],
+           quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False):
+    """Continue a run from its newest valid checkpoint (the privacy ledger continues too)."""
+    from .engine import resume_run
+
+    _quiet_libraries()
+    with user_errors():
+        if not run_dir.is_dir():
+            raise UserError("run folder not found", file=str(run_dir))
+        with run_lock(run_dir):
+            r = resume_run(run_dir, warn=lambda m: err.print(f"[yellow]{m}[/]"))
+            if r.algorithm.done(r):
+                console.print(f"the run already finished at step {r.step}")
+                summary = r.finish(time.time())
+            else:
+                summary = _train(r, quiet)
+    _print_summary(summary, run_dir)
+
+
+@app.command()
+def validate(recipe: str, set_: SetOpt = None):
+    """Check a recipe (schema, stages, data and model paths, budget) without training."""
+    from .engine import Run
+
+    _quiet_libraries()
+    with user_errors():
+        r = load_recipe(recipe, set_)
+        run_ = Run(r, None).prepare()
+    eps = run_.accountant.epsilon(extra=run_.algorithm.plan(run_, run_.privatizer.noise_multiplier)) \
+        if run_.budget.delta and getattr(run_.privatizer, "noise_multiplier", None) is not None \
+        and not run_.algorithm.adaptive else None
+    z = getattr(run_.privatizer, "noise_multiplier", None)
+    msg = f"ok: {recipe}"
+    if z is not None:
+        msg += f" (noise multiplier {z:.4g}"
+        msg += f", planned ε = {eps:.4g})" if eps is not None and math.isfinite(eps) else ")"
+    console.print(msg)
+
+
+@app.command()
+def show(recipe: str, set_: SetOpt = None):
+    """Print the fully resolved recipe (presets, extends and --set applied, defaults filled in)."""
+    import yaml
+
+    with user_errors():
+        r = load_recipe(recipe, set_)
+    console.print(yaml.safe_dump(r.data, sort_keys=False), end="", highlight=False)
+
+
+@app.command()
+def plugins(as_json: Annotated[bool, typer.Option("--json")] = False):
+    """List every registered stage with its kind, origin and description."""
+    from .registry import get_registry
+
+    with user_errors():
+        entries = get_registry().all()
+    if as_json:
+        print(json.dumps([e.as_json() for e in entries], indent=2))
+        return
+    t = Table("kind", "name", "origin", "description")
+    for e in entries:
+        t.add_row(e.kind, e.name, e.origin, e.description)
+    console.print(t)
+
+
+# ------------------------------------------------------------------------------------------
+# privacy tools
+# ------------------------------------------------------------------------------------------
+
+
+def _accountant(name: str, epsilon=None, delta=None, relation="replace_one"):
+    from .privacy.accountant import Budget
+    from .registry import get_registry
+
+    entry = get_registry().get("accountant", name)
+    acc = entry.cls()
+    acc.bind(Budget(epsilon=epsilon, delta=delta, relation=relation))
+    return acc
+
+
+def _subsampled_plan(steps: int, q: float, relation: str):
+    from .privacy.events import Gaussian, PoissonSampled, clipped_sum_sensitivity
+    from .stages import Charge
+
+    sens = clipped_sum_sensitivity(1.0, relation)
+
+    def plan(z: float):
+        ev = Gaussian(std=z, sensitivity=sens)
+        ev = PoissonSampled(q, ev) if q < 1 else ev
+        return [Charge(ev, count=steps)]
+
+    return plan
+
+
+Relation = Annotated[str, typer.Option("--relation", help="replace_one (the papers) or add_remove (Opacus)")]
+
+
+@privacy_app.command("calibrate")
+def privacy_calibrate(epsilon: Annotated[float, typer.Option("--epsilon")],
+                      delta: Annotated[float, typer.Option("--delta")],
+                      steps: Annotated[int, typer.Option("--steps")],
+                      sample_rate: Annotated[float, typer.Option("--sample-rate")],
+                      accountant: Annotated[str, typer.Option("--accountant")] = "rdp",
+                      relation: Relation = "replace_one",
+                      as_json: Annotated[bool, typer.Option("--json")] = False):
+    """The smallest noise multiplier (noise std ÷ clip) that meets (ε, δ) for Poisson-sampled steps."""
+    with user_errors():
+        _check_ranges(epsilon=epsilon, delta=delta, steps=steps, sample_rate=sample_rate, relation=relation)
+        acc = _accountant(accountant, epsilon, delta, relation)
+        t0 = time.time()
+        z = acc.calibrate(_subsampled_plan(steps, sample_rate, relation))
+        secs = time.time() - t0
+        achieved = acc.epsilon(delta, extra=_subsampled_plan(steps, sample_rate, relation)(z))
+    if as_json:
+        print(json.dumps({"noise_multiplier": z, "epsilon": achieved, "delta": delta, "steps": steps,
+                          "sample_rate": sample_rate, "accountant": accountant, "relation": relation,
+                          "seconds": secs}))
+    else:
+        console.print(f"noise multiplier {z:.6g} (ε = {achieved:.4g} at δ = {delta:g}; {accountant}, "
+                      f"{relation.replace('_', '-')}; {secs:.2f} s)")
+
+
+@privacy_app.command("epsilon")
+def privacy_epsilon(noise_multiplier: Annotated[float, typer.Option("--noise-multiplier")],
+                    steps: Annotated[int, typer.Option("--steps")],
+                    sample_rate: Annotated[float, typer.Option("--sample-rate")],
+                    delta: Annotated[float, typer.Option("--delta")],
+                    accountant: Annotated[str, typer.Option("--accountant")] = "rdp",
+                    relation: Relation = "replace_one",
+                    as_json: Annotated[bool, typer.Option("--json")] = False):
+    """ε spent by Poisson-sampled Gaussian steps at a noise multiplier."""
+    with user_errors():
+        _check_ranges(delta=delta, steps=steps, sample_rate=sample_rate, relation=relation)
+        if not noise_multiplier > 0:
+            raise UserError("--noise-multiplier must be positive")
+        acc = _accountant(accountant, None, delta, relation)
+        eps = acc.epsilon(delta, extra=_subsampled_plan(steps, sample_rate, relation)(noise_multiplier))
+    if as_json:
+        print(json.dumps({"epsilon": eps, "delta": delta, "noise_multiplier": noise_multiplier, "steps": steps,
+                          "sample_rate": sample_rate, "accountant": accountant, "relation": relation}))
+    else:
+        console.print(f"ε = {eps:.6g} at δ = {delta:g} ({accountant}, {relation.replace('_', '-')})")
+
+
+def _check_ranges(epsilon=None, delta=None, steps=None, sample_rate=None, relation=None):
+    if epsilon is not None and not epsilon > 0:
+        raise UserError("--epsilon must be positive")
+    if delta is not None and not 0 < delta < 1:
+        raise UserError("--delta must be in (0, 1)")
+    if steps is not None and steps <= 0:
+        raise UserError("--steps must be positive")
+    if sample_rate is not None and not 0 < sample_rate <= 1:
+        raise UserError("--sample-rate must be in (0, 1]")
+    if relation is not None and relation not in ("replace_one", "add_remove"):
+        raise UserError("--relation must be replace_one or add_remove")
+
+
+@privacy_app.command("report")
+def privacy_report(run_dir: Path,
+                   as_json: Annotated[bool, typer.Option("--json")] = False):
+    """The privacy ledger of a run: events, ε over steps, the accountant, and a PNG plot."""
+    from .report import privacy_report as build
+
+    with user_errors():
+        rep = build(run_dir)
+    if as_json:
+        print(json.dumps(rep, default=str, indent=2))
+        return
+    console.print(f"accountant [bold]{rep['accountant']}[/] ({rep['notion']}, {rep['relation'].replace('_', '-')}), "
+                  f"ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g} after {rep['step']} steps"
+                  + (f" (budget {rep['target_epsilon']:g})" if rep.get("target_epsilon") else ""))
+    t = Table("steps", "count", "partition", "event")
+    for e in rep["ledger"]:
+        t.add_row(f"{e['first_step']}–{e['last_step']}", str(e["count"]), str(e["partition"] or "all"),
+                  e["describe"])
+    console.print(t)
+    if rep.get("plot"):
+        console.print(f"plot: {rep['plot']}")
+
+
+def main():
+    try:
+        app()
+    except UserError as e:  # raised outside a command (plugin loading)
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Text tables (TSV, CSV, JSONL) with named text and label columns.
+
+Errors name the file and the line: a malformed row, a missing column, a label outside the
+declared set.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
+
+FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
+
+
+@dataclass
+class TextTable:
+    texts: list[tuple[str, ...]]   # one tuple of text fields per example
+    labels: list[int]
+    label_names: list[str]
+    source: str
+
+
+def _rows(path: Path, fmt: str):
+    """Yield (line number, dict row)."""
+    if fmt == "jsonl":
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"malformed JSON ({e.msg})", file=str(path), line=i) from None
+                if not isinstance(row, dict):
+                    raise UserError("each JSONL line must be an object", file=str(path), line=i)
+                yield i, row
+        return
+    delim = "\t" if fmt == "tsv" else ","
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f, delimiter=delim, quoting=csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL)
+        try:
+            header = next(reader)
+        except StopIteration:
+            return
+        for row in reader:
+            line = reader.line_num
+            if not row or row == [""]:
+                continue
+            if len(row) != len(header):
+                raise UserError(f"malformed {fmt.upper()} row: {len(row)} fields, the header has {len(header)}",
+                                file=str(path), line=line)
+            yield line, dict(zip(header, row))
+
+
+def load_table(path: str | Path, *, text_columns: list[str], label_column: str,
+               labels: list[str] | None = None, fmt: str | None = None) -> TextTable:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise UserError("data file not found", file=str(path))
+    fmt = fmt or FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise UserError(f"unknown data format {path.suffix!r} (use .tsv, .csv or .jsonl, or set data.format)",
+                        file=str(path))
+    texts: list[tuple[str, ...]] = []
+    raw_labels: list[tuple[int, str]] = []
+    for line, row in _rows(path, fmt):
+        for c in text_columns + [label_column]:
+            if c not in row:
+                raise UserError(f"column {c!r} is missing (columns: {', '.join(row)})", file=str(path), line=line)
+        texts.append(tuple(str(row[c]) for c in text_columns))
+        raw_labels.append((line, str(row[label_column]).strip()))
+    names = [str(x) for x in labels] if labels is not None else sorted({lab for _, lab in raw_labels})
+    index = {n: i for i, n in enumerate(names)}
+    out = []
+    for line, lab in raw_labels:
+        if lab not in index:
+            raise UserError(f"label {lab!r} is not one of the declared labels {names}", file=str(path), line=line)
+        out.append(index[lab])
+    return TextTable(texts, out, names, str(path))
+
+
+def k_shot(table: TextTable, k: int, seed: int) -> TextTable:
+    """k examples per class, drawn with ``seed`` (the papers' few-shot protocol)."""
+    rng = random.Random(seed)
+    by_class: dict[int, list[int]] = {}
+    for i, y in enumerate(table.labels):
+        by_class.setdefault(y, []).append(i)
+    keep: list[int] = []
+    for y in sorted(by_class):
+        idx = by_class[y]
+        rng.shuffle(idx)
+        keep.extend(idx[:k])
+    rng.shuffle(keep)
+    return TextTable([table.texts[i] for i in keep], [table.labels[i] for i in keep], table.label_names, table.source)

@@ -1,0 +1,47 @@
+"""Hook specifications: one ``dpreg_register_<kind>(register)`` per stage kind.
+
+A plugin implements any of these and calls ``register(StageClass)`` (optionally
+``register(StageClass, name="alias")``) once per stage it provides, in the style of
+simonw/llm's ``register_models(register)``. Plugins are found through the ``dpregistry``
+entry-point group; dpregistry's own plugins load exactly the same way.
+"""
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("dpregistry")
+hookimpl = pluggy.HookimplMarker("dpregistry")
+
+
+@hookspec
+def dpreg_register_objectives(register):
+    """Register objectives: model, per-example loss and data."""
+
+
+@hookspec
+def dpreg_register_samplers(register):
+    """Register samplers: which records each step reads, and how that amplifies privacy."""
+
+
+@hookspec
+def dpreg_register_estimators(register):
+    """Register estimators: per-example contributions in a coordinate space."""
+
+
+@hookspec
+def dpreg_register_privatizers(register):
+    """Register privatizers: clip in a space, sum, add noise, report privacy events."""
+
+
+@hookspec
+def dpreg_register_update_rules(register):
+    """Register update rules: lift a release to the parameters."""
+
+
+@hookspec
+def dpreg_register_accountants(register):
+    """Register accountants: compose privacy events into a guarantee (and act as filters)."""
+
+
+@hookspec
+def dpreg_register_algorithms(register):
+    """Register algorithms: named presets that fix stages and the control flow of a step."""

@@ -1,0 +1,81 @@
+"""Helpers for objectives built on a torch module (plugins subclass :class:`TorchObjective`)."""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import UserError
+from .stages import Objective
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Trainable(BaseModel):
+    """Which parameters train: regexes on parameter names (``include`` empty means all)."""
+
+    model_config = ConfigDict(extra="forbid")
+    include: list[str] = Field(default_factory=list)
+    exclude: list[str] = Field(default_factory=list)
+
+    def selects(self, name: str) -> bool:
+        if self.include and not any(re.search(p, name) for p in self.include):
+            return False
+        return not any(re.search(p, name) for p in self.exclude)
+
+
+@contextmanager
+def seeded(seed: int):
+    """Run initialisation under a fixed torch seed without touching the global stream."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+class TorchObjective(Objective):
+    """An objective whose parameters belong to ``self.model``.
+
+    Subclasses build ``self.model`` in ``build(run)`` and implement ``batch_losses(indices)``
+    (per-example losses of training records) and ``evaluate()``. The model runs in eval mode (no
+    dropout), so a forward pass is a deterministic function of the parameters: two zeroth-order
+    evaluations see the same network, and a resume is bit-exact.
+    """
+
+    model: torch.nn.Module
+
+    def build(self, run) -> None:
+        raise NotImplementedError
+
+    def batch_losses(self, indices: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def setup(self, run) -> None:
+        self.run = run
+        self.device = run.device
+        self.build(run)
+        self.model.eval()
+        trainable: Trainable = getattr(self.cfg, "trainable", None) or Trainable()
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(trainable.selects(name))
+        self._params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        if not self._params:
+            raise UserError("no parameter matches objective.trainable; the model has no trainable parameters",
+                            key="objective.trainable")
+
+    def params_cfg(self):
+        return self.cfg
+
+    def params(self):
+        return self._params
+
+    def module(self):
+        return self.model
+
+    def losses(self, indices: torch.Tensor) -> torch.Tensor:
+        mb = self.run.recipe.train.micro_batch_size if getattr(self, "run", None) else None
+        if torch.is_grad_enabled() or not mb or len(indices) <= mb:
+            return self.batch_losses(indices)
+        return torch.cat([self.batch_losses(indices[i:i + mb]) for i in range(0, len(indices), mb)])

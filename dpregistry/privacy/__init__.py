@@ -1,0 +1,1 @@
+"""Privacy events, conversions, the ledger and the accountant contract."""

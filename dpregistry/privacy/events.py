@@ -1,0 +1,203 @@
+"""Privacy events as plain data.
+
+A privatizer describes what each release cost with these events; an accountant consumes them.
+They are deliberately close to Google's ``dp_accounting.DpEvent`` family, onto which the
+accountants map them (see ``dpreg_accounting``).
+
+Sensitivity convention (one place, used everywhere): ``Gaussian.sensitivity`` is the largest L2
+distance between the mechanism's outputs on two neighbouring data sets, under the run's
+neighbouring relation. For a clipped sum with per-example bound C that is 2C under replace-one
+(all five papers) and C under add/remove. ``per_record_bound`` gives the per-example bound that
+the subsampled analyses need; it is sensitivity/2 under replace-one and the sensitivity itself
+under add/remove.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+RELATIONS = ("replace_one", "add_remove")
+
+
+def clipped_sum_sensitivity(clip: float, relation: str) -> float:
+    """L2 sensitivity of a sum of per-example vectors each clipped to norm ``clip``."""
+    if relation == "replace_one":
+        return 2.0 * clip  # the differing example moves from x to x', |x - x'| <= 2C
+    if relation == "add_remove":
+        return clip
+    raise ValueError(f"unknown neighbouring relation {relation!r}")
+
+
+class PrivacyEvent:
+    """Base of all events. Subclasses are frozen dataclasses with a ``type`` tag."""
+
+    type: ClassVar[str]
+    _registry: ClassVar[dict[str, type]] = {}
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        PrivacyEvent._registry[cls.type] = cls
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        for k, v in asdict(self).items():
+            out[k] = v
+        # nested events are serialised through their own to_dict
+        for k in ("event",):
+            if hasattr(self, k):
+                out[k] = getattr(self, k).to_dict()
+        if hasattr(self, "events"):
+            out["events"] = [e.to_dict() for e in self.events]
+        return out
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "PrivacyEvent":
+        d = dict(d)
+        cls = PrivacyEvent._registry[d.pop("type")]
+        if "event" in d:
+            d["event"] = PrivacyEvent.from_dict(d["event"])
+        if "events" in d:
+            d["events"] = tuple(PrivacyEvent.from_dict(e) for e in d["events"])
+        return cls(**d)
+
+    def describe(self) -> str:
+        return self.type
+
+
+@dataclass(frozen=True)
+class Gaussian(PrivacyEvent):
+    """Adds N(0, std² I) to a statistic of L2 sensitivity ``sensitivity`` (see module doc)."""
+
+    type: ClassVar[str] = "gaussian"
+    std: float
+    sensitivity: float
+
+    def __post_init__(self):
+        if not (self.sensitivity > 0 and math.isfinite(self.sensitivity)):
+            raise ValueError(f"Gaussian sensitivity must be positive and finite, got {self.sensitivity}")
+        if not (self.std >= 0):
+            raise ValueError(f"Gaussian std must be >= 0, got {self.std}")
+
+    @property
+    def noise_multiplier(self) -> float:
+        """std / sensitivity: the multiplier of the equivalent sensitivity-1 mechanism."""
+        return self.std / self.sensitivity
+
+    def describe(self) -> str:
+        return f"gaussian(σ/Δ={self.noise_multiplier:.4g})"
+
+
+@dataclass(frozen=True)
+class PoissonSampled(PrivacyEvent):
+    """Each record enters the batch independently with probability ``q``."""
+
+    type: ClassVar[str] = "poisson_sampled"
+    q: float
+    event: PrivacyEvent
+
+    def describe(self) -> str:
+        return f"poisson(q={self.q:.4g}, {self.event.describe()})"
+
+
+@dataclass(frozen=True)
+class SampledWithoutReplacement(PrivacyEvent):
+    """A uniformly random subset of ``batch_size`` of the ``n`` records (fresh each step)."""
+
+    type: ClassVar[str] = "sampled_without_replacement"
+    n: int
+    batch_size: int
+    event: PrivacyEvent
+
+    def describe(self) -> str:
+        return f"wor({self.batch_size}/{self.n}, {self.event.describe()})"
+
+
+@dataclass(frozen=True)
+class Composed(PrivacyEvent):
+    """Sequential (adaptive) composition of different events."""
+
+    type: ClassVar[str] = "composed"
+    events: tuple = field(default_factory=tuple)
+
+    def __post_init__(self):
+        object.__setattr__(self, "events", tuple(self.events))
+
+    def describe(self) -> str:
+        return "+".join(e.describe() for e in self.events)
+
+
+@dataclass(frozen=True)
+class SelfComposed(PrivacyEvent):
+    type: ClassVar[str] = "self_composed"
+    event: PrivacyEvent
+    count: int
+
+    def describe(self) -> str:
+        return f"{self.count}×{self.event.describe()}"
+
+
+@dataclass(frozen=True)
+class ZCDP(PrivacyEvent):
+    """A charge stated directly in ρ-zCDP (Bun–Steinke)."""
+
+    type: ClassVar[str] = "zcdp"
+    rho: float
+
+    def __post_init__(self):
+        if not self.rho >= 0:
+            raise ValueError(f"zCDP rho must be >= 0, got {self.rho}")
+
+    def describe(self) -> str:
+        return f"zcdp(ρ={self.rho:.4g})"
+
+
+@dataclass(frozen=True)
+class TreeAggregation(PrivacyEvent):
+    """Binary-tree (continual counting) release of prefix sums over one period.
+
+    Each node carries N(0, std² I); a record enters ``nodes_per_record`` released nodes
+    (⌊log2 T⌋+1 for a period of T steps), each with L2 sensitivity at most ``sensitivity``.
+    The record's influence is therefore a Gaussian mechanism of sensitivity
+    ``sensitivity·sqrt(nodes_per_record)`` (exact for equal node noise; adaptivity allowed).
+    """
+
+    type: ClassVar[str] = "tree_aggregation"
+    std: float
+    sensitivity: float
+    nodes_per_record: int
+
+    def as_gaussian(self) -> Gaussian:
+        return Gaussian(std=self.std, sensitivity=self.sensitivity * math.sqrt(self.nodes_per_record))
+
+    def describe(self) -> str:
+        return f"tree(σ/Δ={self.std / self.sensitivity:.4g}, nodes={self.nodes_per_record})"
+
+
+@dataclass(frozen=True)
+class Exponential(PrivacyEvent):
+    """Exponential mechanism with pure ε-DP (for private selection).
+
+    ``bounded_range`` charges ε²/8-zCDP (Cesar–Rogers); otherwise ε²/2 (Bun–Steinke Prop 1.4).
+    """
+
+    type: ClassVar[str] = "exponential"
+    epsilon: float
+    bounded_range: bool = True
+
+    def zcdp_rho(self) -> float:
+        return self.epsilon ** 2 / (8.0 if self.bounded_range else 2.0)
+
+    def describe(self) -> str:
+        return f"exponential(ε={self.epsilon:.4g})"
+
+
+@dataclass(frozen=True)
+class NonPrivate(PrivacyEvent):
+    """A release with no privacy guarantee (for example MeZO without noise)."""
+
+    type: ClassVar[str] = "non_private"
+
+    def describe(self) -> str:
+        return "non-private"

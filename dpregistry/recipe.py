@@ -1,0 +1,434 @@
+"""YAML recipes: loading with line numbers, ``extends:``, ``--set`` overrides and validation.
+
+A recipe names an algorithm (a preset of stages) and overrides any stage section::
+
+    extends: base.yaml                  # optional, relative to this file
+    algorithm: dp_adam
+    objective: {name: tabular, dataset: digits, model: mlp}
+    privatizer: {clip: 1.0}             # merged into the preset's privatizer section
+    privacy: {epsilon: 3, delta: 1e-5}
+    train: {steps: 300}
+
+Every stage's parameters are validated against that stage's own pydantic schema before any work
+starts; an error names the file, the line and the key, and suggests the closest known name.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import UserError
+from .registry import Entry, Registry
+from .spaces import DENSE, VECTOR_ZO
+
+#: recipe section -> stage kind
+SECTIONS = {"objective": "objective", "sampler": "sampler", "estimator": "estimator",
+            "privatizer": "privatizer", "update": "update_rule", "accountant": "accountant"}
+TOP_LEVEL = {"extends", "description", "seed", "algorithm", "model", "data", "privacy", "train",
+             "output", *SECTIONS}
+#: keys that change neither privacy nor results (excluded from the recipe hash)
+COSMETIC = {("description",), ("train", "log_every"), ("train", "checkpoint_every"),
+            ("train", "keep_checkpoints"), ("train", "eval_every"), ("train", "progress")}
+
+Loc = tuple[str, int | None]  # (file, line)
+
+# YAML 1.1 (PyYAML) reads 1e-5 as a string; recipes mean a float.
+_FLOAT = re.compile(r"^[-+]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$")
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+
+
+def _parse_scalar(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------
+
+
+def _convert(node, loader, file: str, path: tuple, locs: dict[tuple, Loc]):
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, Any] = {}
+        for k_node, v_node in node.value:
+            key = loader.construct_object(k_node, deep=True)
+            if not isinstance(key, str):
+                raise UserError(f"keys must be strings, got {key!r}", file=file, line=k_node.start_mark.line + 1)
+            if key in out:
+                raise UserError("duplicate key", file=file, line=k_node.start_mark.line + 1,
+                                key=".".join(path + (key,)))
+            locs[path + (key,)] = (file, k_node.start_mark.line + 1)
+            out[key] = _convert(v_node, loader, file, path + (key,), locs)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_convert(v, loader, file, path + (str(i),), locs) for i, v in enumerate(node.value)]
+    return loader.construct_object(node, deep=True)
+
+
+def load_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple, Loc]]:
+    file = str(path)
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise UserError("recipe file not found", file=file) from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read recipe ({e.__class__.__name__})", file=file) from None
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        locs: dict[tuple, Loc] = {}
+        data = _convert(node, loader, file, (), locs) if node is not None else {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"YAML syntax error: {problem}", file=file,
+                        line=mark.line + 1 if mark else None) from None
+    finally:
+        loader.dispose()
+    if not isinstance(data, dict):
+        raise UserError("a recipe must be a mapping of sections", file=file, line=1)
+    return data, locs
+
+
+def _section_name(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return value.get("name")
+    return None
+
+
+def _merge(base: Any, over: Any, path: tuple = ()) -> Any:
+    """Deep merge; a stage section that names a different stage replaces the parent's."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        if len(path) == 1 and path[0] in SECTIONS | {"algorithm": "algorithm"}:
+            if "name" in over and _section_name(base) not in (None, over["name"]):
+                return copy.deepcopy(over)
+        out = copy.deepcopy(base)
+        for k, v in over.items():
+            out[k] = _merge(base.get(k), v, path + (k,)) if k in base else copy.deepcopy(v)
+        return out
+    if isinstance(over, str) and isinstance(base, dict) and len(path) == 1 and path[0] in SECTIONS:
+        # `privatizer: gaussian` over a dict section: keep the params only if the name matches
+        return dict(base, name=over) if base.get("name") in (None, over) else {"name": over}
+    return copy.deepcopy(over)
+
+
+def load_raw(path: Path | str, sets: list[str] | tuple = (), _seen: tuple = ()) -> tuple[dict, dict]:
+    """The merged recipe (``extends`` applied) and the location of every key."""
+    path = Path(path).resolve() if _seen else Path(path)
+    key = str(Path(path).resolve())
+    if key in _seen:
+        chain = " -> ".join(Path(p).name for p in _seen + (key,))
+        raise UserError(f"extends cycle: {chain}", file=str(path))
+    data, locs = load_yaml(path)
+    parent = data.pop("extends", None)
+    if parent is not None:
+        if not isinstance(parent, str):
+            raise UserError("extends must be a path", file=str(path), line=locs[("extends",)][1], key="extends")
+        ppath = (Path(path).parent / parent)
+        if not ppath.exists():
+            raise UserError(f"extends: {parent} not found", file=str(path), line=locs[("extends",)][1],
+                            key="extends")
+        pdata, plocs = load_raw(ppath, (), _seen + (key,))
+        data = _merge(pdata, data)
+        locs = {**plocs, **locs}
+    for s in sets:
+        _apply_set(data, locs, s)
+    return data, locs
+
+
+def _apply_set(data: dict, locs: dict, assignment: str) -> None:
+    if "=" not in assignment:
+        raise UserError(f"--set expects key.path=value, got {assignment!r}", file="--set")
+    key, value = assignment.split("=", 1)
+    parts = tuple(p for p in key.strip().split("."))
+    if not all(parts):
+        raise UserError(f"--set: malformed key {key!r}", file="--set")
+    try:
+        val = _parse_scalar(value)
+    except yaml.YAMLError:
+        raise UserError(f"--set: cannot parse value {value!r}", file="--set", key=key) from None
+    node = data
+    for i, p in enumerate(parts[:-1]):
+        cur = node.get(p)
+        if isinstance(cur, str) and i == 0 and p in SECTIONS:
+            cur = node[p] = {"name": cur}
+        elif cur is None:
+            cur = node[p] = {}
+        elif not isinstance(cur, dict):
+            raise UserError(f"--set: {'.'.join(parts[:i + 1])} is not a section", file="--set", key=key)
+        node = cur
+    node[parts[-1]] = val
+    for i in range(1, len(parts) + 1):
+        locs[parts[:i]] = ("--set", None)
+
+
+# --------------------------------------------------------------------------------------------
+# top-level schema
+# --------------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PrivacySection(_Strict):
+    """The budget of the run and the neighbouring relation."""
+
+    epsilon: float | None = Field(default=None, gt=0, description="target ε")
+    delta: float | None = Field(default=None, gt=0, lt=1, description="target δ (must be < 1/n)")
+    rho: float | None = Field(default=None, gt=0, description="target ρ (zCDP)")
+    relation: Literal["replace_one", "add_remove"] = "replace_one"
+    secure_noise: bool = Field(default=False, description="privacy noise from the OS entropy (not reproducible)")
+
+
+class TrainSection(_Strict):
+    steps: int = Field(gt=0, description="number of private steps (releases)")
+    log_every: int = Field(default=10, gt=0)
+    eval_every: int | None = Field(default=None, gt=0)
+    checkpoint_every: int | None = Field(default=None, gt=0)
+    keep_checkpoints: int = Field(default=2, gt=0)
+    micro_batch_size: int | None = Field(default=None, gt=0, description="physical batch (gradient accumulation)")
+    device: str = "cpu"
+    max_nonfinite_steps: int = Field(default=10, ge=0, description="stop after this many steps with NaN/inf examples")
+    progress: bool = True
+
+
+# --------------------------------------------------------------------------------------------
+# resolution
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Recipe:
+    """A validated, fully resolved recipe."""
+
+    data: dict[str, Any]                         # resolved, with every default filled in
+    stages: dict[str, tuple[Entry, Any]]         # kind -> (registry entry, validated params)
+    privacy: PrivacySection
+    train: TrainSection
+    seed: int
+    output: str
+    source: str = ""
+    locs: dict[tuple, Loc] = field(default_factory=dict)
+
+    @property
+    def hash(self) -> str:
+        return recipe_hash(self.data)
+
+    def where(self, *path: str) -> dict[str, Any]:
+        return _where(self.locs, path)
+
+
+def recipe_hash(data: dict[str, Any]) -> str:
+    d = copy.deepcopy(data)
+    for path in COSMETIC:
+        node = d
+        for p in path[:-1]:
+            node = node.get(p, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _where(locs: dict[tuple, Loc], path: tuple) -> dict[str, Any]:
+    for i in range(len(path), 0, -1):
+        if path[:i] in locs:
+            f, line = locs[path[:i]]
+            return {"file": f, "line": line, "key": ".".join(path)}
+    return {"key": ".".join(path)}
+
+
+def _pydantic_error(e: ValidationError, prefix: tuple, locs: dict, model: type[BaseModel], file: str) -> UserError:
+    err = e.errors()[0]
+    loc = tuple(str(x) for x in err["loc"])
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        fields = list(model.model_fields)
+        sub = model
+        for part in loc[:-1]:  # nested models
+            f = sub.model_fields.get(part)
+            ann = getattr(f, "annotation", None) if f else None
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                sub = ann
+                fields = list(sub.model_fields)
+        close = difflib.get_close_matches(loc[-1], fields, n=1)
+        msg = f"unknown key{f'; did you mean {close[0]!r}?' if close else ''} (allowed: {', '.join(fields)})"
+    elif err["type"] == "missing":
+        msg = "required key is missing"
+    where = _where(locs, prefix + loc)
+    where.setdefault("file", file)
+    return UserError(msg, **where)
+
+
+def _no_nan(obj: Any, path: tuple, locs: dict, file: str) -> None:
+    if isinstance(obj, float) and math.isnan(obj):
+        raise UserError("NaN is not a valid value", **{"file": file, **_where(locs, path)})
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _no_nan(v, path + (k,), locs, file)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _no_nan(v, path + (str(i),), locs, file)
+
+
+def resolve(data: dict[str, Any], locs: dict[tuple, Loc], registry: Registry, source: str = "") -> Recipe:
+    data = copy.deepcopy(data)
+    file = source or "<recipe>"
+    for key in data:
+        if key not in TOP_LEVEL:
+            close = difflib.get_close_matches(key, TOP_LEVEL, n=1)
+            raise UserError(f"unknown section{f'; did you mean {close[0]!r}?' if close else ''}",
+                            **{"file": file, **_where(locs, (key,))})
+    _no_nan(data, (), locs, file)
+
+    # `model:` and `data:` at the top level are the objective's `model` and `data` parameters.
+    for alias in ("model", "data"):
+        if alias in data:
+            obj = data.get("objective")
+            obj = {"name": obj} if isinstance(obj, str) else (obj or {})
+            if alias in obj:
+                raise UserError(f"{alias} given both at the top level and in objective",
+                                **{"file": file, **_where(locs, (alias,))})
+            obj[alias] = data.pop(alias)
+            data["objective"] = obj
+            for k in [k for k in locs if k[:1] == (alias,)]:
+                locs[("objective",) + k] = locs[k]
+
+    alg_spec = data.get("algorithm")
+    if alg_spec is None:
+        raise UserError("a recipe needs an algorithm (run `dpreg plugins` for the list)", file=file, key="algorithm")
+    alg_name = _section_name(alg_spec)
+    if not isinstance(alg_name, str):
+        raise UserError("algorithm must be a name or a mapping with a name", **{"file": file, **_where(locs, ("algorithm",))})
+    try:
+        alg_entry = registry.get("algorithm", alg_name)
+    except UserError as e:
+        raise UserError(e.message, **{"file": file, **_where(locs, ("algorithm",))}) from None
+
+    stages: dict[str, tuple[Entry, Any]] = {}
+    resolved: dict[str, Any] = {}
+    alg_params = {k: v for k, v in (alg_spec if isinstance(alg_spec, dict) else {}).items() if k != "name"}
+    try:
+        ap = alg_entry.cls.Params.model_validate(alg_params)
+    except ValidationError as e:
+        raise _pydantic_error(e, ("algorithm",), locs, alg_entry.cls.Params, file) from None
+    stages["algorithm"] = (alg_entry, ap)
+    resolved["algorithm"] = {"name": alg_name, **ap.model_dump(mode="json")}
+
+    for section, kind in SECTIONS.items():
+        default = copy.deepcopy(alg_entry.cls.defaults.get(section))
+        given = data.get(section)
+        spec = _merge(default, given, (section,)) if default is not None and given is not None else (
+            given if given is not None else default)
+        if isinstance(spec, str):
+            spec = {"name": spec}
+        if spec is None:
+            raise UserError(f"algorithm {alg_name!r} has no default {section}; the recipe must name one",
+                            file=file, key=section)
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise UserError(f"{section} must be a stage name or a mapping with `name`",
+                            **{"file": file, **_where(locs, (section,))})
+        try:
+            entry = registry.get(kind, spec["name"])
+        except UserError as e:
+            raise UserError(e.message, **{"file": file, **_where(locs, (section, "name"))}) from None
+        params = {k: v for k, v in spec.items() if k != "name"}
+        try:
+            p = entry.cls.Params.model_validate(params)
+        except ValidationError as e:
+            raise _pydantic_error(e, (section,), locs, entry.cls.Params, file) from None
+        stages[kind] = (entry, p)
+        resolved[section] = {"name": entry.name, **p.model_dump(mode="json")}
+
+    try:
+        privacy = PrivacySection.model_validate(data.get("privacy") or {})
+    except ValidationError as e:
+        raise _pydantic_error(e, ("privacy",), locs, PrivacySection, file) from None
+    if "train" not in data:
+        raise UserError("a recipe needs a train section with steps", file=file, key="train")
+    try:
+        train = TrainSection.model_validate(data["train"])
+    except ValidationError as e:
+        raise _pydantic_error(e, ("train",), locs, TrainSection, file) from None
+    seed = data.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise UserError("seed must be a non-negative integer", **{"file": file, **_where(locs, ("seed",))})
+    output = data.get("output", "last")
+    if output not in ("last", "random_iterate"):
+        raise UserError("output must be 'last' or 'random_iterate'", **{"file": file, **_where(locs, ("output",))})
+    resolved.update(seed=seed, output=output, privacy=privacy.model_dump(mode="json"),
+                    train=train.model_dump(mode="json"), description=data.get("description", ""))
+    recipe = Recipe(resolved, stages, privacy, train, seed, output, source=file, locs=locs)
+    check_compatibility(recipe, registry)
+    return recipe
+
+
+def load(path: Path | str, sets: list[str] | tuple = (), registry: Registry | None = None) -> Recipe:
+    from .registry import get_registry
+
+    registry = registry or get_registry()
+    data, locs = load_raw(path, sets)
+    return resolve(data, locs, registry, source=str(path))
+
+
+# --------------------------------------------------------------------------------------------
+# cross-stage checks
+# --------------------------------------------------------------------------------------------
+
+
+def release_space(space: str) -> str:
+    """The space of a privatized aggregate (vector-ZO sums are lifted, noise is d-dim)."""
+    return DENSE if space == VECTOR_ZO else space
+
+
+def check_compatibility(recipe: Recipe, registry: Registry) -> None:
+    est, _ = recipe.stages["estimator"]
+    priv, _ = recipe.stages["privatizer"]
+    upd, _ = recipe.stages["update_rule"]
+    acc, _ = recipe.stages["accountant"]
+    alg, _ = recipe.stages["algorithm"]
+    file = recipe.source
+    space = est.cls.space
+
+    if priv.cls.accepts is not None and space not in priv.cls.accepts:
+        fit = [e.name for e in registry.entries["privatizer"].values()
+               if e.cls.accepts is None or space in e.cls.accepts]
+        raise UserError(f"privatizer {priv.name!r} works in {', '.join(sorted(priv.cls.accepts))}, but estimator "
+                        f"{est.name!r} yields {space} contributions; privatizers that fit: {', '.join(sorted(fit))}",
+                        **{"file": file, **recipe.where("privatizer", "name")})
+    if est.cls.contribution_kind not in priv.cls.accepts_kinds:
+        fit = [e.name for e in registry.entries["privatizer"].values() if est.cls.contribution_kind in e.cls.accepts_kinds]
+        raise UserError(f"estimator {est.name!r} yields {est.cls.contribution_kind}s, which privatizer {priv.name!r} "
+                        f"cannot release; privatizers that fit: {', '.join(sorted(fit)) or 'none'}",
+                        **{"file": file, **recipe.where("privatizer", "name")})
+    rspace = release_space(space)
+    if rspace not in upd.cls.accepts | upd.cls.lifts:
+        fit = sorted(e.name + (" (lifts to dense, not memory-free)" if rspace in e.cls.lifts else "")
+                     for e in registry.entries["update_rule"].values() if rspace in e.cls.accepts | e.cls.lifts)
+        raise UserError(f"update rule {upd.name!r} accepts {', '.join(sorted(upd.cls.accepts))} releases, but "
+                        f"estimator {est.name!r} yields {rspace}; update rules that fit: {', '.join(fit)}",
+                        **{"file": file, **recipe.where("update", "name")})
+    if alg.cls.adaptive and not acc.cls.can_filter:
+        fit = sorted(e.name for e in registry.entries["accountant"].values() if e.cls.can_filter)
+        raise UserError(f"algorithm {alg.name!r} chooses its noise adaptively, so its accountant must be a privacy "
+                        f"filter; {acc.name!r} is not (a PLD/PRV accountant is invalid under fully adaptive "
+                        f"composition); use one of: {', '.join(fit)}",
+                        **{"file": file, **recipe.where("accountant", "name")})

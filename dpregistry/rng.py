@@ -1,0 +1,79 @@
+"""Randomness, split into public and secret streams.
+
+Everything public (batch sampling, directions, projectors, O2NC's random points, the output
+iterate) is a pure function of the run seed, a purpose and the step: a replica or a resumed run
+regenerates it from the step alone, and logs can name the seeds.
+
+Privacy noise comes from a separate key that is derived one-way (SHA-256) from the run seed under
+its own domain, so no public step seed determines it (DPZero spec §7, coupling 6: the released
+code derived the noise from the direction seed). In secure mode the key comes from the operating
+system's entropy instead and is never written anywhere, so nothing but the noise itself changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+
+
+def derive(*parts: object) -> int:
+    """A 63-bit integer from SHA-256 of the parts (stable across processes and platforms)."""
+    h = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+class RunRNG:
+    def __init__(self, seed: int, secure_noise: bool = False):
+        self.seed = int(seed)
+        self.secure_noise = secure_noise
+        # The noise key is secret: it is never logged or checkpointed in secure mode.
+        self._noise_key = os.urandom(32).hex() if secure_noise else hashlib.sha256(
+            f"dpregistry-noise\x1f{self.seed}".encode()).hexdigest()
+
+    def step_seed(self, purpose: str, step: int, *extra: object) -> int:
+        """Public seed for ``purpose`` at ``step``."""
+        return derive("dpregistry-public", self.seed, purpose, step, *extra)
+
+    def generator(self, purpose: str, step: int, *extra: object, device="cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        g.manual_seed(self.step_seed(purpose, step, *extra))
+        return g
+
+    def noise(self, step: int, call: int = 0) -> "NoiseSource":
+        """Secret source of the privacy noise of release number ``call`` within ``step``."""
+        if self.secure_noise:
+            return SecureNoise()
+        return SeededNoise(derive("dpregistry-noise", self._noise_key, step, call))
+
+
+class NoiseSource:
+    """Draws standard Gaussian noise; privatizers never see where it comes from."""
+
+    def randn(self, shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SeededNoise(NoiseSource):
+    """Reproducible noise from a secret seed (default mode: bitwise resume and replay)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._gens: dict[str, torch.Generator] = {}
+
+    def randn(self, shape, dtype=torch.float32, device="cpu"):
+        key = str(torch.device(device))
+        if key not in self._gens:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._gens[key] = g
+        return torch.randn(shape, generator=self._gens[key], dtype=dtype, device=device)
+
+
+class SecureNoise(NoiseSource):
+    """Noise from the operating system's entropy (see :mod:`dpregistry.secure_noise`)."""
+
+    def randn(self, shape, dtype=torch.float32, device="cpu"):
+        from .secure_noise import secure_randn
+        return secure_randn(shape, dtype=dtype, device=device)

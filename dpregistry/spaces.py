@@ -1,0 +1,297 @@
+"""Coordinate spaces: what an estimator hands a privatizer, and what a privatizer hands an update rule.
+
+Every per-example contribution lives in a space (DESIGN.md, "The five stage kinds"):
+
+=================  ===================================  ==================================
+space              per-example contribution              aggregate (what gets noised)
+=================  ===================================  ==================================
+dense              a full gradient per parameter          parameter-shaped tensors
+seeded_direction   one scalar, all sharing u(seed)        one scalar + the seed
+vector_zo          m scalars on m shared seeded dirs      dense (Σ c_j u_j, noise is d-dim)
+projected          per-layer Pᵀ·G (rank r) + seeds        r-dim tensors + projector seeds
+=================  ===================================  ==================================
+
+A privatizer touches contributions only through two methods, so it works in every space and never
+needs the per-example vectors to exist at full size:
+
+* ``norms()``: each example's L2 norm in the space (may be NaN/inf: the privatizer zeroes those);
+* ``weighted_sum(w)``: Σ_i w_i·c_i as an :class:`Aggregate`; an example with w_i = 0 contributes
+  exactly zero, even when its values are not finite.
+
+An aggregate is a sum (not a mean), so that micro-batches and ranks add up before noise is
+drawn once. Its ``tensors`` are the released coordinates: Gaussian noise goes on every one of them.
+``lift(params)`` maps it back to parameter shapes for update rules that work densely.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .directions import Direction
+
+DENSE = "dense"
+SEEDED_DIRECTION = "seeded_direction"
+VECTOR_ZO = "vector_zo"
+PROJECTED = "projected"
+SPACES = (DENSE, SEEDED_DIRECTION, VECTOR_ZO, PROJECTED)
+
+GRADIENT = "gradient"    # an estimate of the gradient itself
+INCREMENT = "increment"  # a change to a running estimate (SPIDER, variance reduction)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Sums, norms and noise are computed in at least fp32 (fp16/bf16 parameters included)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _mask_rows(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """values * w per example, with rows of weight 0 set to exactly 0 (NaN-safe)."""
+    shape = (-1,) + (1,) * (values.dim() - 1)
+    w = weights.to(values.dtype).view(shape)
+    keep = (weights > 0).view(shape)
+    return torch.where(keep, values * w, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+# --------------------------------------------------------------------------------------------
+# Aggregates
+# --------------------------------------------------------------------------------------------
+
+
+class Aggregate(ABC):
+    """A (clipped) sum in some space. ``tensors`` are the coordinates that get noised."""
+
+    space: ClassVar[str]
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.tensors.values())
+
+    def _check_compatible(self, other: "Aggregate") -> None:
+        if type(other) is not type(self) or other.tensors.keys() != self.tensors.keys():
+            raise ValueError("cannot add aggregates from different spaces or layouts")
+
+    def add_(self, other: "Aggregate") -> "Aggregate":
+        self._check_compatible(other)
+        for k, t in self.tensors.items():
+            t.add_(other.tensors[k])
+        return self
+
+    def mul_(self, c: float) -> "Aggregate":
+        for t in self.tensors.values():
+            t.mul_(c)
+        return self
+
+    def add_noise_(self, std: float, source) -> None:
+        """Adds N(0, std²) to every coordinate, in the fixed order of ``tensors``.
+
+        ``source`` is a :class:`~dpregistry.rng.NoiseSource` (secret, separate from every seed
+        that is public)."""
+        if std == 0:
+            return
+        for k in sorted(self.tensors):
+            t = self.tensors[k]
+            t.add_(source.randn(t.shape, dtype=t.dtype, device=t.device), alpha=std)
+
+    def clone(self) -> "Aggregate":
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.tensors = {k: t.clone() for k, t in self.tensors.items()}
+        return new
+
+    @abstractmethod
+    def lift(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The aggregate as parameter-shaped tensors (a dense update direction)."""
+
+
+class DenseAggregate(Aggregate):
+    space = DENSE
+
+    def lift(self, params):
+        return {k: self.tensors[k] for k in params if k in self.tensors}
+
+
+class DirectionAggregate(Aggregate):
+    """One scalar coefficient on a shared seeded direction: the update is coeff·u(seed)."""
+
+    space = SEEDED_DIRECTION
+
+    def __init__(self, coeff: torch.Tensor, direction: Direction, names: tuple[str, ...]):
+        super().__init__({"coeff": coeff.reshape(1)})
+        self.direction = direction
+        self.names = names
+
+    def _check_compatible(self, other):
+        super()._check_compatible(other)
+        if other.direction != self.direction:
+            raise ValueError("cannot add aggregates on different directions")
+
+    @property
+    def coeff(self) -> float:
+        return float(self.tensors["coeff"])
+
+    def lift(self, params):
+        # Materialises u: costs d memory. Memory-free update rules use ``direction`` instead.
+        us = self.direction.dense([params[n] for n in self.names], dtype=acc_dtype(next(iter(params.values())).dtype))
+        return {n: u.mul_(self.coeff) for n, u in zip(self.names, us)}
+
+
+@dataclass(frozen=True)
+class Projector:
+    """A seeded Gaussian projector P ∈ R^{k×r}, entries N(0, 1/r) (DP-GRAPE §1.1)."""
+
+    seed: int
+    rows: int
+    rank: int
+    side: str  # "left": R = Pᵀ G (k = out rows); "right": R = G P (k = in columns)
+
+    def matrix(self, device=None, dtype=torch.float32) -> torch.Tensor:
+        g = torch.Generator(device=device or "cpu")
+        g.manual_seed(self.seed)
+        p = torch.randn(self.rows, self.rank, generator=g, device=device, dtype=torch.float32)
+        return p.div_(self.rank ** 0.5).to(dtype)
+
+    def project(self, G: torch.Tensor) -> torch.Tensor:
+        P = self.matrix(G.device, G.dtype)
+        return P.transpose(-1, -2) @ G if self.side == "left" else G @ P
+
+    def back(self, X: torch.Tensor) -> torch.Tensor:
+        P = self.matrix(X.device, X.dtype)
+        return P @ X if self.side == "left" else X @ P.transpose(-1, -2)
+
+
+class ProjectedAggregate(Aggregate):
+    """Projected coordinates per layer (``projectors[name]``) plus dense unprojected tensors."""
+
+    space = PROJECTED
+
+    def __init__(self, tensors: dict[str, torch.Tensor], projectors: dict[str, Projector]):
+        super().__init__(tensors)
+        self.projectors = projectors
+
+    def lift(self, params):
+        out = {}
+        for k in params:
+            if k not in self.tensors:
+                continue
+            t = self.tensors[k]
+            out[k] = self.projectors[k].back(t) if k in self.projectors else t
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Contributions
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Contribution(ABC):
+    """Per-example contributions of one batch, in a space. See the module docstring."""
+
+    space: ClassVar[str]
+    kind: str = field(default=GRADIENT, kw_only=True)
+    losses: torch.Tensor | None = field(default=None, kw_only=True)  # diagnostics only
+    info: dict[str, Any] = field(default_factory=dict, kw_only=True)
+
+    @property
+    @abstractmethod
+    def batch_size(self) -> int: ...
+
+    @abstractmethod
+    def norms(self) -> torch.Tensor:
+        """Per-example L2 norms in this space, shape [B]."""
+
+    @abstractmethod
+    def weighted_sum(self, weights: torch.Tensor) -> Aggregate:
+        """Σ_i w_i·c_i; rows with w_i = 0 contribute exactly 0 (NaN-safe)."""
+
+
+@dataclass
+class DenseContribution(Contribution):
+    """Materialised per-example gradients, ``per_example[name]`` of shape [B, *param.shape]."""
+
+    space: ClassVar[str] = DENSE
+    per_example: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.per_example.values())).shape[0]
+
+    def norms(self):
+        sq = None
+        for g in self.per_example.values():
+            s = g.to(acc_dtype(g.dtype)).flatten(1).pow(2).sum(1)
+            sq = s if sq is None else sq + s
+        return sq.sqrt()
+
+    def weighted_sum(self, weights):
+        return DenseAggregate({k: _mask_rows(g.to(acc_dtype(g.dtype)), weights).sum(0)
+                               for k, g in self.per_example.items()})
+
+
+@dataclass
+class DirectionContribution(Contribution):
+    """One scalar per example (a finite difference), all on the shared direction ``direction``."""
+
+    space: ClassVar[str] = SEEDED_DIRECTION
+    values: torch.Tensor = None  # [B]
+    direction: Direction = None
+    names: tuple[str, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return self.values.shape[0]
+
+    def norms(self):
+        return self.values.to(acc_dtype(self.values.dtype)).abs()
+
+    def weighted_sum(self, weights):
+        v = _mask_rows(self.values.to(acc_dtype(self.values.dtype)), weights).sum()
+        return DirectionAggregate(v, self.direction, self.names)
+
+
+@dataclass
+class VectorZOContribution(Contribution):
+    """m scalars per example on m shared seeded directions: c_i = Σ_j values[i, j]·u_j.
+
+    The clipped sum is lifted to dense coordinates, so noise is d-dimensional (DPGD-0th, Alg. 1).
+    """
+
+    space: ClassVar[str] = VECTOR_ZO
+    values: torch.Tensor = None  # [B, m]
+    directions: tuple[Direction, ...] = ()
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # shapes/devices of u
+
+    @property
+    def batch_size(self) -> int:
+        return self.values.shape[0]
+
+    def _dirs(self, dtype):
+        tensors = list(self.params.values())
+        return [torch.cat([u.flatten() for u in d.dense(tensors, dtype=dtype)]) for d in self.directions]
+
+    def norms(self):
+        dt = acc_dtype(self.values.dtype)
+        v = self.values.to(dt)
+        if len(self.directions) == 1:
+            u = self._dirs(dt)[0]
+            return v[:, 0].abs() * u.norm()
+        U = torch.stack(self._dirs(dt))  # [m, d]
+        gram = U @ U.T
+        return torch.einsum("bi,ij,bj->b", v, gram, v).clamp_min(0).sqrt()
+
+    def weighted_sum(self, weights):
+        dt = acc_dtype(self.values.dtype)
+        coeff = _mask_rows(self.values.to(dt), weights).sum(0)  # [m]
+        flat = sum(c * u for c, u in zip(coeff, self._dirs(dt)))
+        out, start = {}, 0
+        for k, p in self.params.items():
+            out[k] = flat[start:start + p.numel()].view(p.shape).clone()
+            start += p.numel()
+        return DenseAggregate(out)

@@ -1,0 +1,308 @@
+"""Stage contracts.
+
+One private step, for every algorithm (DESIGN.md)::
+
+    idx      = sampler.indices(step, run)                       # public or private sampling
+    for contrib in estimator.contributions(objective, idx, run):  # per-example, in a SPACE
+        total += privatizer.clip_sum(contrib)                   # local: clip each example, sum
+    total    = run.comm.all_reduce(total)                       # ranks add up clipped sums
+    release  = privatizer.release(total, run)                   # noise once -> Release + events
+    run.charge(release.events)                                  # accountant (or filter) may refuse
+    update_rule.apply(run.params, release, run)                 # lift the space to parameters
+
+The :class:`Algorithm` owns this loop, so algorithms with rounds, episodes, proximal calls,
+adaptive noise or private output selection change the control flow without engine special cases:
+
+* stateful privatizers (tree mechanism, prefix sums) keep state in ``state_dict`` and are
+  ``reset()`` by the algorithm at period boundaries;
+* noise that depends on earlier releases is set per call (``release(..., std=...)``); the
+  accountant is then a privacy filter whose ``can_afford`` the algorithm asks, and a refused
+  charge raises :class:`~dpregistry.errors.BudgetExhausted`, which stops the run cleanly;
+* update rules keep state in whatever space they accept (projected Adam moments, O2NC's
+  displacement); ``output()`` picks the final parameters (a random iterate, an episode average);
+* selection that touches data (the exponential mechanism) is charged like any other release.
+
+Every stage is a class with a pydantic ``Params`` model (its recipe schema, validated before any
+work starts), ``setup(run)`` to bind to a run, and ``state_dict``/``load_state_dict`` for
+checkpoints (tensors and JSON-able values only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from .spaces import DENSE, GRADIENT, Aggregate, Contribution
+from .privacy.events import PrivacyEvent
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import Run
+
+
+class StageParams(BaseModel):
+    """Base of every stage's recipe schema: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+
+class Stage:
+    kind: ClassVar[str] = ""
+    name: ClassVar[str] = ""
+    Params: ClassVar[type[StageParams]] = StageParams
+
+    def __init__(self, params: StageParams | None = None):
+        self.cfg = params if params is not None else self.Params()
+
+    @classmethod
+    def description(cls) -> str:
+        doc = (cls.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
+    def setup(self, run: "Run") -> None:
+        """Bind to a run (the objective, parameters and other stages exist by now)."""
+
+    def validate(self, run: "Run") -> None:
+        """Cross-stage checks; raise UserError with a helpful message."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# Objective: model + loss + data
+# --------------------------------------------------------------------------------------------
+
+
+class Objective(Stage):
+    """Model, per-example loss and data. Parameters are the trainable tensors, in a fixed order."""
+
+    kind = "objective"
+
+    #: number of training records (the n of every sampling rate and sensitivity)
+    n_train: int = 0
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """Trainable tensors by name, modified in place by update rules."""
+        raise NotImplementedError
+
+    def module(self) -> torch.nn.Module | None:
+        """The torch module, when there is one (hook-based per-example gradients need it)."""
+        return None
+
+    def losses(self, indices: torch.Tensor) -> torch.Tensor:
+        """Per-example losses [B] at the current parameters, for training records ``indices``.
+
+        Examples never interact: padding or batching never changes another example's loss.
+        """
+        raise NotImplementedError
+
+    def functional_losses(self, params: dict[str, torch.Tensor], indices: torch.Tensor) -> torch.Tensor:
+        """Per-example losses as a pure function of ``params`` (for torch.func); optional."""
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics (the test split is not the private training data)."""
+        return {}
+
+
+# --------------------------------------------------------------------------------------------
+# Sampler
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Charge:
+    """An event to charge ``count`` times, and the partition of the data it touches (None: every
+    record; see dpregistry.privacy.accountant on parallel composition)."""
+
+    event: PrivacyEvent
+    partition: str | None = None
+    count: int = 1
+
+
+class Sampler(Stage):
+    """Picks the records of each step, and says how the sampling amplifies (or partitions) privacy."""
+
+    kind = "sampler"
+
+    def indices(self, step: int, run: "Run") -> torch.Tensor:
+        raise NotImplementedError
+
+    def expected_batch_size(self, run: "Run") -> float:
+        """The denominator of the privatized mean (Poisson: q·n, fixed batches: B)."""
+        raise NotImplementedError
+
+    def account(self, step: int, events: list[PrivacyEvent], run: "Run") -> list[Charge]:
+        """Wrap a step's mechanism events in this sampler's sampling/partition structure."""
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
+# Estimator
+# --------------------------------------------------------------------------------------------
+
+
+class Estimator(Stage):
+    """Turns a batch into per-example contributions in a coordinate space."""
+
+    kind = "estimator"
+    #: the space of the contributions it yields
+    space: ClassVar[str] = DENSE
+    #: GRADIENT (an estimate) or INCREMENT (a change to a running estimate, for stream privatizers)
+    contribution_kind: ClassVar[str] = GRADIENT
+
+    def contributions(self, objective: Objective, indices: torch.Tensor, run: "Run") -> Iterator[Contribution]:
+        """Yield the contributions of the batch (one per micro-batch for first-order estimators)."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget history (variance reduction restarts at a period boundary)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Privatizer
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClippedSum:
+    """The clipped sum of some examples, before noise; sums across micro-batches and ranks."""
+
+    aggregate: Aggregate
+    count: int = 0          # examples seen
+    clipped: int = 0        # examples whose norm exceeded the clip
+    nonfinite: int = 0      # examples zeroed because a loss or gradient was NaN/inf
+    loss_sum: float = 0.0   # diagnostics only (finite losses)
+    kind: str = GRADIENT
+
+    def add_(self, other: "ClippedSum") -> "ClippedSum":
+        self.aggregate.add_(other.aggregate)
+        self.count += other.count
+        self.clipped += other.clipped
+        self.nonfinite += other.nonfinite
+        self.loss_sum += other.loss_sum
+        return self
+
+
+@dataclass
+class Release:
+    """A privatized aggregate (already divided by the expected batch size) and what it cost."""
+
+    value: Aggregate
+    events: list[PrivacyEvent]
+    kind: str = GRADIENT
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class Privatizer(Stage):
+    """Clips per-example contributions in their space, sums, and adds noise once per step."""
+
+    kind = "privatizer"
+    #: spaces it can work in (None: every space)
+    accepts: ClassVar[frozenset[str] | None] = None
+    #: contribution kinds it accepts (stream privatizers take increments)
+    accepts_kinds: ClassVar[frozenset[str]] = frozenset({GRADIENT})
+
+    def clip_sum(self, contribution: Contribution) -> ClippedSum:
+        raise NotImplementedError
+
+    def release(self, total: ClippedSum, run: "Run", *, std: float | None = None) -> Release:
+        """Add noise (std overrides the configured scale for per-call schedules) and divide."""
+        raise NotImplementedError
+
+    def planned_events(self, noise_multiplier: float, run: "Run") -> list[PrivacyEvent]:
+        """The events one release would cost at ``noise_multiplier`` (for planning/calibration)."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Start a new stream/period (stateful privatizers)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Update rule
+# --------------------------------------------------------------------------------------------
+
+
+class UpdateRule(Stage):
+    """Maps a release back to parameters, in place."""
+
+    kind = "update_rule"
+    #: release spaces it accepts; dense rules lift any space (not memory-free, see ``lifts``)
+    accepts: ClassVar[frozenset[str]] = frozenset({DENSE})
+    #: spaces accepted only by lifting to dense coordinates (costs d memory per step)
+    lifts: ClassVar[frozenset[str]] = frozenset()
+
+    def apply(self, params: dict[str, torch.Tensor], release: Release, run: "Run") -> None:
+        raise NotImplementedError
+
+    def output(self, params: dict[str, torch.Tensor], run: "Run") -> dict[str, torch.Tensor] | None:
+        """Final parameters if they are not the current ones (for example an episode average)."""
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Accountant (the base with ledger lives in dpregistry.privacy.accountant)
+# --------------------------------------------------------------------------------------------
+
+# --------------------------------------------------------------------------------------------
+# Algorithm
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepResult:
+    """What one call of ``Algorithm.step`` did (for logging)."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    done: bool = False
+
+
+class Algorithm(Stage):
+    """A named preset: default stages and the control flow of a step.
+
+    ``defaults`` gives the stage configurations a recipe starts from (``{kind: {name: ..., ...}}``);
+    a recipe's own sections override them key by key. The base class runs the standard step; an
+    algorithm with outer loops overrides ``step`` and keeps its loop counters in ``state_dict``.
+    """
+
+    kind = "algorithm"
+    defaults: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: needs a privacy filter (noise that depends on earlier releases)
+    adaptive: ClassVar[bool] = False
+
+    def total_steps(self, run: "Run") -> int:
+        return run.recipe.train.steps
+
+    def done(self, run: "Run") -> bool:
+        return run.step >= self.total_steps(run)
+
+    def plan(self, run: "Run", noise_multiplier: float) -> list[Charge]:
+        """Every charge of the whole run at ``noise_multiplier``: checked against the budget
+        before the first step, and inverted for calibration. Return [] for adaptive algorithms
+        (the filter then guards the budget)."""
+        per_step = run.privatizer.planned_events(noise_multiplier, run)
+        return compress(c for t in range(run.step, self.total_steps(run))
+                        for c in run.sampler.account(t, per_step, run))
+
+    def step(self, run: "Run") -> StepResult:
+        idx = run.sampler.indices(run.step, run)
+        total = run.privatize_batch(idx)
+        release = run.privatizer.release(total, run)
+        run.charge(release.events)
+        run.update_rule.apply(run.params, release, run)
+        return StepResult(run.step_metrics(total, release))
+
+
+def compress(charges) -> list[Charge]:
+    """Merge identical charges into counts (a plan of 20,000 equal steps is one Charge)."""
+    counts: dict[tuple, int] = {}
+    for c in charges:
+        key = (c.event, c.partition)
+        counts[key] = counts.get(key, 0) + c.count
+    return [Charge(e, p, n) for (e, p), n in counts.items()]

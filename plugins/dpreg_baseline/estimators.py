@@ -1,0 +1,123 @@
+"""Estimators: per-example first-order gradients, and the two-point zeroth-order estimate."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from dpregistry import Estimator, StageParams, UserError
+from dpregistry.directions import Direction
+from dpregistry.engine import Displacement
+from dpregistry.persample import GradSampler
+from dpregistry.spaces import DENSE, SEEDED_DIRECTION, DenseContribution, DirectionContribution, acc_dtype
+
+
+def micro_batches(indices: torch.Tensor, size: int | None):
+    size = size or max(len(indices), 1)
+    for i in range(0, len(indices), size):
+        yield indices[i:i + size]
+
+
+def empty_dense(params) -> DenseContribution:
+    """The contribution of an empty batch (Poisson can draw one): sums to zero in every tensor."""
+    return DenseContribution(per_example={k: torch.zeros((0,) + tuple(p.shape), dtype=acc_dtype(p.dtype),
+                                                         device=p.device) for k, p in params.items()},
+                             losses=torch.zeros(0))
+
+
+class PerExampleGradParams(StageParams):
+    backend: Literal["auto", "hooks", "functorch"] = Field(
+        default="auto", description="hooks: ghost norms + book-keeping (lean); functorch: vmap(grad)")
+
+
+class PerExampleGrad(Estimator):
+    """First-order per-example gradients (dense space), one contribution per micro-batch.
+
+    The hooks backend never materialises a per-example gradient of a layer where the ghost norm
+    is cheaper (see dpregistry.persample); functorch is for functional objectives without a module.
+    """
+
+    name = "per_example_grad"
+    space = DENSE
+    Params = PerExampleGradParams
+
+    def setup(self, run):
+        module = run.objective.module()
+        backend = self.cfg.backend
+        if backend == "auto":
+            backend = "hooks" if module is not None else "functorch"
+        if backend == "hooks" and module is None:
+            raise UserError("per_example_grad backend 'hooks' needs an objective with a torch module",
+                            key="estimator.backend")
+        self.backend = backend
+        self.sampler = GradSampler(module, run.params) if backend == "hooks" else None
+
+    def contributions(self, objective, indices, run):
+        if len(indices) == 0:
+            yield empty_dense(run.params)
+            return
+        for chunk in micro_batches(indices, run.recipe.train.micro_batch_size):
+            if self.backend == "hooks":
+                with torch.enable_grad(), self.sampler.capture(len(chunk)):
+                    losses = objective.losses(chunk)
+                yield self.sampler.contribution(losses)
+            else:
+                yield self._functorch(objective, chunk, run)
+
+    def _functorch(self, objective, chunk, run):
+        from torch.func import grad, vmap
+
+        params = {k: v.detach() for k, v in run.params.items()}
+
+        def one(p, i):
+            return objective.functional_losses(p, i.unsqueeze(0))[0]
+
+        grads = vmap(grad(one), in_dims=(None, 0))(params, chunk)
+        with torch.no_grad():
+            losses = objective.functional_losses(params, chunk)
+        return DenseContribution(per_example=grads, losses=losses)
+
+
+class ZOParams(StageParams):
+    smoothing: float = Field(default=1e-3, gt=0, alias="lambda", description="λ, the perturbation size")
+    direction: Literal["gaussian", "sphere"] = Field(
+        default="gaussian", description="u ~ N(0, I) (practice) or uniform on the sphere of radius √d (theory)")
+
+    model_config = {"populate_by_name": True, "extra": "forbid"}
+
+
+class ZOTwoPoint(Estimator):
+    """Two-point zeroth-order estimate: per-example (f(x+λu) − f(x−λu))/2λ on one shared seeded u.
+
+    u is data-independent and regenerated from a public per-step seed, tensor by tensor, in place.
+    The parameters are left at x − λu; the update rule restores them in the same sweep as the
+    update (three sweeps per step), or the engine does if the step stops early.
+    """
+
+    name = "zo_two_point"
+    space = SEEDED_DIRECTION
+    Params = ZOParams
+
+    def contributions(self, objective, indices, run):
+        names = tuple(run.params)
+        tensors = list(run.params.values())
+        u = Direction(run.rng.step_seed("direction", run.step), self.cfg.direction)
+        lam = self.cfg.smoothing
+        if len(indices) == 0:
+            yield DirectionContribution(values=torch.zeros(0), direction=u, names=names, losses=torch.zeros(0))
+            return
+        with torch.no_grad():
+            u.add_(tensors, lam)
+            run.displacement = Displacement(u, names, lam)
+            plus = objective.losses(indices)
+            u.add_(tensors, -2 * lam)
+            run.displacement = Displacement(u, names, -lam)
+            minus = objective.losses(indices)
+        dt = acc_dtype(plus.dtype)
+        values = (plus.to(dt) - minus.to(dt)) / (2 * lam)
+        yield DirectionContribution(values=values, direction=u, names=names, losses=(plus.to(dt) + minus.to(dt)) / 2)
+
+
+ESTIMATORS = (PerExampleGrad, ZOTwoPoint)

@@ -1,0 +1,302 @@
+"""Objectives: scikit-learn tables with linear/MLP models, HF text classifiers, a synthetic quadratic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from dpregistry import StageParams, UserError
+from dpregistry.data import k_shot, load_table, load_tabular
+from dpregistry.objectives import DTYPES, TorchObjective, Trainable, seeded
+from dpregistry.stages import Objective
+
+
+class _Sub(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ------------------------------------------------------------------------------------------
+# tabular
+# ------------------------------------------------------------------------------------------
+
+
+class TabularModel(_Sub):
+    kind: Literal["linear", "mlp"] = "mlp"
+    hidden: list[int] = Field(default_factory=lambda: [64])
+    activation: Literal["relu", "tanh"] = "tanh"
+
+
+class TabularData(_Sub):
+    dataset: str = "digits"
+    test_fraction: float = Field(default=0.2, gt=0, lt=1)
+    seed: int = 0
+
+
+class TabularParams(StageParams):
+    model: TabularModel = Field(default_factory=TabularModel)
+    data: TabularData = Field(default_factory=TabularData)
+    trainable: Trainable = Field(default_factory=Trainable)
+
+
+class TabularObjective(TorchObjective):
+    """A linear model or MLP on one of scikit-learn's bundled data sets (cross-entropy or squared error)."""
+
+    name = "tabular"
+    Params = TabularParams
+
+    def build(self, run):
+        d = self.cfg.data
+        self.table = load_tabular(d.dataset, test_fraction=d.test_fraction, seed=d.seed)
+        t = self.table
+        self.n_train = len(t.y_train)
+        n_in = t.x_train.shape[1]
+        n_out = t.n_classes if t.task == "classification" else 1
+        m = self.cfg.model
+        act = nn.ReLU if m.activation == "relu" else nn.Tanh
+        layers: list[nn.Module] = []
+        width = n_in
+        if m.kind == "mlp":
+            for h in m.hidden:
+                layers += [nn.Linear(width, h), act()]
+                width = h
+        layers.append(nn.Linear(width, n_out))
+        with seeded(run.rng.step_seed("init", 0)):
+            self.model = nn.Sequential(*layers).to(run.device)
+        self.x_train, self.y_train = t.x_train.to(run.device), t.y_train.to(run.device)
+
+    def _loss(self, out, y):
+        if self.table.task == "classification":
+            return F.cross_entropy(out, y, reduction="none")
+        return 0.5 * (out.squeeze(-1) - y) ** 2
+
+    def batch_losses(self, indices):
+        return self._loss(self.model(self.x_train[indices]), self.y_train[indices])
+
+    def functional_losses(self, params, indices):
+        out = torch.func.functional_call(self.model, params, (self.x_train[indices],))
+        return self._loss(out, self.y_train[indices])
+
+    @torch.no_grad()
+    def evaluate(self):
+        t = self.table
+        out = self.model(t.x_test.to(self.device))
+        y = t.y_test.to(self.device)
+        loss = float(self._loss(out, y).mean())
+        if t.task == "classification":
+            return {"accuracy": float((out.argmax(-1) == y).float().mean()), "loss": loss}
+        return {"mse": 2 * loss}
+
+
+# ------------------------------------------------------------------------------------------
+# Hugging Face text classification (encoder + pooled linear head)
+# ------------------------------------------------------------------------------------------
+
+
+class HFModel(_Sub):
+    path: str = Field(default="minilm", description="folder, 'minilm', or a hub id")
+    init: Literal["pretrained", "random"] = "pretrained"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    max_length: int = Field(default=128, gt=0)
+    pooling: Literal["mean", "cls"] = "mean"
+    head_init: Literal["random", "label_descriptions"] = "random"
+    label_descriptions: list[str] | None = None
+    head_scale: float = Field(default=20.0, gt=0, description="logit scale of a label-description head")
+
+
+class TextData(_Sub):
+    path: str | None = Field(default=None, description="folder with train/test files")
+    train: str = "train.tsv"
+    test: str = "test.tsv"
+    format: Literal["tsv", "csv", "jsonl"] | None = None
+    text: str | list[str] = "sentence"
+    label: str = "label"
+    labels: list[str] | None = None
+    k_per_class: int | None = Field(default=None, gt=0)
+    seed: int = 42
+    max_test: int | None = Field(default=None, gt=0)
+
+
+class HFTextParams(StageParams):
+    model: HFModel = Field(default_factory=HFModel)
+    data: TextData = Field(default_factory=TextData)
+    trainable: Trainable = Field(default_factory=Trainable)
+
+
+def _data_file(d: TextData, name: str) -> Path:
+    p = Path(name).expanduser()
+    if d.path is not None and not p.is_absolute():
+        p = Path(d.path).expanduser() / p
+    return p
+
+
+class Encoder(nn.Module):
+    """A pretrained encoder with pooling and a linear head: logits = head(pool(encoder(x)))."""
+
+    def __init__(self, encoder: nn.Module, n_labels: int, pooling: str):
+        super().__init__()
+        self.encoder = encoder
+        self.head = nn.Linear(encoder.config.hidden_size, n_labels)
+        self.pooling = pooling
+
+    def pool(self, input_ids, attention_mask):
+        h = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if self.pooling == "cls":
+            return h[:, 0]
+        m = attention_mask.unsqueeze(-1).to(h.dtype)
+        return (h * m).sum(1) / m.sum(1).clamp_min(1)
+
+    def forward(self, input_ids, attention_mask):
+        return self.head(self.pool(input_ids, attention_mask))
+
+
+class HFTextClassification(TorchObjective):
+    """A Hugging Face encoder (default: the packaged MiniLM) with a pooled linear head, on a text table."""
+
+    name = "hf_text_classification"
+    Params = HFTextParams
+
+    def build(self, run):
+        from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+        from dpregistry.hf import resolve_model_dir
+
+        p = self.cfg
+        d = p.data
+        cols = [d.text] if isinstance(d.text, str) else list(d.text)
+        if d.path is not None and not Path(d.path).expanduser().is_dir():
+            raise UserError(f"data folder {d.path!r} not found", key="data.path")
+        train = load_table(_data_file(d, d.train), text_columns=cols, label_column=d.label, labels=d.labels, fmt=d.format)
+        test = load_table(_data_file(d, d.test), text_columns=cols, label_column=d.label,
+                          labels=train.label_names, fmt=d.format)
+        if d.k_per_class:
+            train = k_shot(train, d.k_per_class, d.seed)
+        if d.max_test:
+            test = type(test)(test.texts[:d.max_test], test.labels[:d.max_test], test.label_names, test.source)
+        if not train.labels:
+            raise UserError("the training data set is empty", file=train.source)
+        self.n_train = len(train.labels)
+        self.label_names = train.label_names
+        mdir = resolve_model_dir(p.model.path, need_weights=p.model.init == "pretrained")
+        self.tokenizer = AutoTokenizer.from_pretrained(mdir)
+        dtype = DTYPES[p.model.dtype]
+        with seeded(run.rng.step_seed("init", 0)):
+            if p.model.init == "pretrained":
+                enc = AutoModel.from_pretrained(mdir, dtype=dtype)
+            else:
+                enc = AutoModel.from_config(AutoConfig.from_pretrained(mdir), dtype=dtype)
+            self.model = Encoder(enc, len(self.label_names), p.model.pooling).to(run.device, dtype)
+        self.train_tok = self._tokenize(train.texts)
+        self.y_train = torch.tensor(train.labels, device=run.device)
+        self.test_tok = self._tokenize(test.texts)
+        self.y_test = torch.tensor(test.labels, device=run.device)
+        if p.model.head_init == "label_descriptions":
+            self._init_head_from_descriptions()
+
+    def _tokenize(self, texts):
+        if not texts:
+            return []
+        enc = self.tokenizer([t[0] for t in texts], [t[1] for t in texts] if len(texts[0]) > 1 else None,
+                             truncation=True, max_length=self.cfg.model.max_length)
+        return enc["input_ids"]
+
+    def _pad(self, seqs):
+        L = max(len(s) for s in seqs)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.full((len(seqs), L), pad, dtype=torch.long)
+        mask = torch.zeros((len(seqs), L), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    @torch.no_grad()
+    def _init_head_from_descriptions(self):
+        desc = self.cfg.model.label_descriptions
+        if not desc or len(desc) != len(self.label_names):
+            raise UserError(f"model.label_descriptions needs one text per label ({len(self.label_names)})",
+                            key="model.label_descriptions")
+        ids = self.tokenizer(desc, truncation=True, max_length=self.cfg.model.max_length)["input_ids"]
+        e = self.model.pool(*self._pad(ids)).float()
+        e = F.normalize(e, dim=-1)
+        self.model.head.weight.copy_(self.cfg.model.head_scale * e)
+        self.model.head.bias.zero_()
+        self._normalize_features = True
+
+    def _logits(self, ids, mask):
+        if getattr(self, "_normalize_features", False):
+            feats = F.normalize(self.model.pool(ids, mask), dim=-1)
+            return self.model.head(feats)
+        return self.model(ids, mask)
+
+    def batch_losses(self, indices):
+        idx = indices.tolist()
+        ids, mask = self._pad([self.train_tok[i] for i in idx])
+        return F.cross_entropy(self._logits(ids, mask).float(), self.y_train[indices], reduction="none")
+
+    @torch.no_grad()
+    def evaluate(self, batch_size: int = 128):
+        correct, loss = 0, 0.0
+        for s in range(0, len(self.test_tok), batch_size):
+            ids, mask = self._pad(self.test_tok[s:s + batch_size])
+            logits = self._logits(ids, mask).float()
+            y = self.y_test[s:s + batch_size]
+            correct += int((logits.argmax(-1) == y).sum())
+            loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        n = max(len(self.test_tok), 1)
+        return {"accuracy": correct / n, "loss": loss / n}
+
+
+# ------------------------------------------------------------------------------------------
+# synthetic quadratic (DPZero §5.1)
+# ------------------------------------------------------------------------------------------
+
+
+class QuadraticParams(StageParams):
+    dim: int = Field(gt=0)
+    n: int = Field(default=10_000, gt=0)
+    n_test: int = Field(default=10_000, gt=0)
+    hessian: Literal["identity", "sqrt", "harmonic"] = Field(
+        default="harmonic", description="A = I (a), diag(1/√i) (b), diag(1/i) (c)")
+    seed: int = 0
+    dtype: Literal["float32", "float64"] = "float64"
+
+
+class Quadratic(Objective):
+    """f(x; x_i) = ½(x − x_i)ᵀA(x − x_i), x_i ~ N(1, I): the synthetic problem of DPZero §5.1."""
+
+    name = "quadratic"
+    Params = QuadraticParams
+
+    def setup(self, run):
+        p = self.cfg
+        dt = DTYPES[p.dtype]
+        g = torch.Generator().manual_seed(p.seed)
+        i = torch.arange(1, p.dim + 1, dtype=dt)
+        self.a = {"identity": torch.ones_like(i), "sqrt": i.rsqrt(), "harmonic": 1.0 / i}[p.hessian]
+        self.data = 1.0 + torch.randn(p.n, p.dim, generator=g, dtype=dt)
+        self.test_mean = (1.0 + torch.randn(p.n_test, p.dim, generator=g, dtype=dt)).mean(0)
+        self.n_train = p.n
+        self.x = torch.zeros(p.dim, dtype=dt)
+
+    def params(self):
+        return {"x": self.x}
+
+    def functional_losses(self, params, indices):
+        diff = params["x"] - self.data[indices]
+        return 0.5 * (diff * diff * self.a).sum(-1)
+
+    def losses(self, indices):
+        return self.functional_losses({"x": self.x}, indices)
+
+    def evaluate(self):
+        grad = self.a * (self.x - self.test_mean)
+        train = float(self.losses(torch.arange(self.n_train)).mean())
+        return {"test_grad_norm": float(grad.norm()), "train_loss": train}
+
+
+OBJECTIVES = (TabularObjective, HFTextClassification, Quadratic)

@@ -1,0 +1,95 @@
+"""The generic clip-and-noise privatizer, in every space, and the non-private identity."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field
+
+from dpregistry import Privatizer, Release, StageParams, UserError
+from dpregistry.clipping import clip_and_sum
+from dpregistry.privacy.events import Gaussian, NonPrivate, clipped_sum_sensitivity
+
+
+class GaussianParams(StageParams):
+    clip: float = Field(gt=0, description="per-example L2 bound C, in the estimator's space (inf: no clipping)")
+    noise_multiplier: float | Literal["auto"] = Field(
+        default="auto", description="std of the noise on the clipped sum ÷ C; auto: calibrated to the budget")
+
+
+class GaussianPrivatizer(Privatizer):
+    """Clip each example to norm C in its space, sum, add N(0, (zC)²) per coordinate, divide by E[B].
+
+    In the seeded-direction space (DPZero) the contribution is one scalar per example, so this is
+    DPZero's scalar clip with one scalar noise draw; in the dense space it is DP-SGD's.
+    """
+
+    name = "gaussian"
+    Params = GaussianParams
+
+    def setup(self, run):
+        self.relation = run.relation
+        z = self.cfg.noise_multiplier
+        self.needs_calibration = z == "auto"
+        self.noise_multiplier = None if self.needs_calibration else float(z)
+
+    def validate(self, run):
+        if not math.isfinite(self.cfg.clip):
+            if self.needs_calibration or self.noise_multiplier:
+                raise UserError("clip: inf makes the sensitivity unbounded, so no noise can make it private; "
+                                "set a finite clip, or noise_multiplier: 0 for a non-private run",
+                                key="privatizer.clip")
+        elif self.noise_multiplier is not None and self.noise_multiplier < 0:
+            raise UserError("noise_multiplier must be >= 0", key="privatizer.noise_multiplier")
+
+    def set_noise_multiplier(self, z: float) -> None:
+        self.noise_multiplier = float(z)
+
+    def sensitivity(self) -> float:
+        """L2 sensitivity of the clipped sum under the run's relation (2C replace-one, C add/remove)."""
+        return clipped_sum_sensitivity(self.cfg.clip, self.relation)
+
+    def clip_sum(self, contribution):
+        return clip_and_sum(contribution, self.cfg.clip)
+
+    def _events(self, std: float):
+        if std == 0 or not math.isfinite(self.cfg.clip):
+            return [NonPrivate()]
+        return [Gaussian(std=std, sensitivity=self.sensitivity())]
+
+    def planned_events(self, noise_multiplier, run):
+        return self._events(noise_multiplier * self.cfg.clip if math.isfinite(self.cfg.clip) else 0.0)
+
+    def release(self, total, run, *, std=None):
+        if std is None:
+            std = self.noise_multiplier * self.cfg.clip if math.isfinite(self.cfg.clip) else 0.0
+        agg = total.aggregate
+        agg.add_noise_(std, run.noise())
+        denom = run.sampler.expected_batch_size(run)
+        agg.mul_(1.0 / denom)
+        return Release(agg, self._events(std), kind=total.kind,
+                       stats={"noise_std": std / denom})
+
+
+class NoPrivatizer(Privatizer):
+    """No clipping and no noise: non-private training (MeZO, SGD); ε is reported as infinite."""
+
+    name = "none"
+
+    def setup(self, run):
+        self.noise_multiplier = 0.0
+
+    def clip_sum(self, contribution):
+        return clip_and_sum(contribution, math.inf)
+
+    def planned_events(self, noise_multiplier, run):
+        return [NonPrivate()]
+
+    def release(self, total, run, *, std=None):
+        agg = total.aggregate
+        agg.mul_(1.0 / max(total.count, 1))
+        return Release(agg, [NonPrivate()], kind=total.kind)
+
+
+PRIVATIZERS = (GaussianPrivatizer, NoPrivatizer)

@@ -1,0 +1,118 @@
+"""Samplers: Poisson (amplified), shuffled fixed-size batches, and the full batch."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from dpregistry import Charge, Sampler, StageParams, UserError
+from dpregistry.privacy.events import NonPrivate, PoissonSampled
+
+
+class PoissonParams(StageParams):
+    batch_size: float | None = Field(default=None, gt=0, description="expected batch size q·n")
+    sample_rate: float | None = Field(default=None, gt=0, le=1, description="q (instead of batch_size)")
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.batch_size is None) == (self.sample_rate is None):
+            raise ValueError("give exactly one of batch_size and sample_rate")
+        return self
+
+
+class PoissonSampler(Sampler):
+    """Poisson sampling: each record joins each step's batch independently with probability q."""
+
+    name = "poisson"
+    Params = PoissonParams
+
+    def setup(self, run):
+        n = run.n_train
+        self.n = n
+        self.q = self.cfg.sample_rate if self.cfg.sample_rate is not None else self.cfg.batch_size / n
+        if self.q > 1:
+            raise UserError(f"sampler.batch_size {self.cfg.batch_size:g} exceeds the data set size {n}",
+                            key="sampler.batch_size")
+
+    def indices(self, step, run):
+        # Sampling is global (every rank draws the same mask), so q is the true rate.
+        g = run.rng.generator("poisson", step)
+        return (torch.rand(self.n, generator=g) < self.q).nonzero().squeeze(1)
+
+    def expected_batch_size(self, run):
+        return self.q * self.n
+
+    def account(self, step, events, run):
+        return [Charge(e if isinstance(e, NonPrivate) else PoissonSampled(self.q, e)) for e in events]
+
+
+class ShuffleParams(StageParams):
+    batch_size: int = Field(gt=0)
+    accounting: Literal["exact", "poisson_heuristic"] = Field(
+        default="exact", description="exact: one unamplified release per epoch (valid); "
+                                     "poisson_heuristic: accounted as Poisson q=B/n, which shuffling does not satisfy")
+
+
+class ShuffleSampler(Sampler):
+    """Shuffled fixed-size batches, a fresh permutation each epoch (the last partial batch is dropped).
+
+    ``accounting: exact`` uses parallel composition inside an epoch (every record is in exactly one
+    batch), so each epoch costs one unamplified release, charged at the epoch's first step.
+    """
+
+    name = "shuffle"
+    Params = ShuffleParams
+
+    def setup(self, run):
+        self.n = run.n_train
+        self.B = self.cfg.batch_size
+        if self.B > self.n:
+            raise UserError(f"sampler.batch_size {self.B} exceeds the data set size {self.n}", key="sampler.batch_size")
+        self.per_epoch = self.n // self.B
+        self._perm_epoch, self._perm = -1, None
+
+    def validate(self, run):
+        if run.algorithm.adaptive and self.cfg.accounting == "exact":
+            raise UserError("shuffle sampling with exact accounting needs the same mechanism at every step; "
+                            "use the poisson sampler for adaptive algorithms", key="sampler")
+
+    def indices(self, step, run):
+        epoch, j = divmod(step, self.per_epoch)
+        if epoch != self._perm_epoch:
+            self._perm = torch.randperm(self.n, generator=run.rng.generator("shuffle", epoch))
+            self._perm_epoch = epoch
+        return self._perm[j * self.B:(j + 1) * self.B]
+
+    def expected_batch_size(self, run):
+        return float(self.B)
+
+    def account(self, step, events, run):
+        if self.cfg.accounting == "poisson_heuristic":
+            q = self.B / self.n
+            return [Charge(e if isinstance(e, NonPrivate) else PoissonSampled(q, e)) for e in events]
+        if step % self.per_epoch == 0:
+            return [Charge(e) for e in events]
+        return []  # covered by the charge at the epoch's first step
+
+
+class FullBatch(Sampler):
+    """Every record at every step (no amplification)."""
+
+    name = "full_batch"
+
+    def setup(self, run):
+        self.n = run.n_train
+
+    def indices(self, step, run):
+        return torch.arange(self.n)
+
+    def expected_batch_size(self, run):
+        return float(self.n)
+
+    def account(self, step, events, run):
+        return [Charge(e) for e in events]
+
+
+SAMPLERS = (PoissonSampler, ShuffleSampler, FullBatch)
