@@ -449,6 +449,7 @@ def start_run(run: Run, out_dir: Path | None) -> Run:
     """Attach a prepared run to its output folder: the resolved recipe and a step-0 checkpoint."""
     run.out_dir = Path(out_dir) if out_dir else None
     if run.out_dir and run.comm.rank == 0:
+        run.out_dir.mkdir(parents=True, exist_ok=True)
         _write_json(run.out_dir / "recipe.json", {"recipe": run.recipe.data, "recipe_hash": run.recipe.hash,
                                                   "source": run.recipe.source})
         run.save_checkpoint()  # step 0: a resume never has to start from nothing
