@@ -32,6 +32,12 @@ from .spaces import DenseAggregate, DenseContribution, acc_dtype, _mask_rows
 # ------------------------------------------------------------------------------------------
 
 
+def _keep_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x with the rows of weight 0 set to exactly 0 (a NaN activation must not reach the sum)."""
+    keep = (w > 0).view((-1,) + (1,) * (x.dim() - 1))
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def _flat3(x: torch.Tensor) -> torch.Tensor:
     """[B, ..., F] -> [B, T, F]."""
     return x.reshape(x.shape[0], -1, x.shape[-1])
@@ -97,8 +103,7 @@ class LinearHandler(LayerHandler):
 
     def weighted(self, use, w):
         a, g = self._ag(use)
-        gw = _mask_rows(g, w)
-        a = _mask_rows(a, w)
+        gw, a = _mask_rows(g, w), _keep_rows(a, w)
         out = {}
         if use.module.weight.requires_grad:
             out["weight"] = torch.einsum("bto,bti->oi", gw, a)
@@ -208,7 +213,7 @@ class ConvHandler(LayerHandler):
 
     def weighted(self, use, w):
         a, g = self._ag(use)
-        gw, a = _mask_rows(g, w), _mask_rows(a, w)
+        gw, a = _mask_rows(g, w), _keep_rows(a, w)
         out = {}
         if use.module.weight.requires_grad:
             out["weight"] = self._shape(use, torch.einsum("bto,bti->oi", gw, a))
