@@ -19,6 +19,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import UserError
@@ -45,9 +46,13 @@ def _quiet_libraries() -> None:
         pass
 
 
+def say_error(msg: str) -> None:
+    """One line on stderr; the message is printed literally (it may contain brackets)."""
+    err.print(f"[bold red]error:[/] {escape(msg.replace(chr(10), ' '))}", highlight=False, soft_wrap=True)
+
+
 def fail(e: Exception) -> None:
-    msg = str(e).replace("\n", " ")
-    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    say_error(str(e))
     raise typer.Exit(2)
 
 
@@ -203,28 +208,74 @@ def _print_summary(summary: dict, out: Path | None) -> None:
     console.print(t)
 
 
+def _comm():
+    """The torch.distributed communicator when torchrun launched us, else None."""
+    from .distributed import init_from_env, launched_by_torchrun
+
+    return init_from_env() if launched_by_torchrun() else None
+
+
+def _relaunch(nproc: int) -> None:
+    """`dpreg run --nproc N ...`: the same command under torchrun on this node."""
+    import subprocess
+
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip or a.startswith("--nproc="):
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        argv.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "dpregistry", *argv]
+    raise typer.Exit(subprocess.run(cmd).returncode)
+
+
 @app.command()
 def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of a shipped recipe")],
         out: Annotated[Optional[Path], typer.Option("--out", help="output folder")] = None,
         set_: SetOpt = None,
         overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an earlier run in --out")] = False,
-        quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False):
+        quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+        nproc: Annotated[int, typer.Option("--nproc", help="data-parallel processes on this node (torchrun)")] = 1):
     """Train privately with RECIPE; writes metrics.jsonl, summary.json and checkpoints/ under --out."""
     from .engine import Run, start_run
 
+    if nproc > 1:
+        _relaunch(nproc)
     _quiet_libraries()
     with user_errors():
+        comm = _comm()
+        rank0 = comm is None or comm.rank == 0
         r = load_recipe(recipe, set_)
-        out_dir = prepare_out(out, recipe, overwrite)
+        problem, out_dir = None, None
+        if rank0:
+            try:
+                out_dir = prepare_out(out, recipe, overwrite)
+            except UserError as e:
+                problem = str(e)
+        if comm is not None:
+            problem, out_dir = comm.broadcast_object((problem, out_dir))
+        if problem:
+            raise UserError(problem)
         # Everything that can fail on bad input happens before the folder is touched.
-        prepared = Run(r, None).prepare()
-        if out_dir.exists() and overwrite:
-            shutil.rmtree(out_dir)
-        _writable(out_dir)
-        with run_lock(out_dir):
+        prepared = Run(r, None, comm=comm).prepare()
+        if rank0:
+            if out_dir.exists() and overwrite:
+                shutil.rmtree(out_dir)
+            _writable(out_dir)
+        with run_lock(out_dir) if rank0 else _nothing():
             run_ = start_run(prepared, out_dir)
-            summary = _train(run_, quiet)
-    _print_summary(summary, out_dir)
+            summary = _train(run_, quiet or not rank0)
+    if rank0:
+        _print_summary(summary, out_dir)
+
+
+@contextmanager
+def _nothing():
+    yield
 
 
 @app.command()
@@ -235,16 +286,20 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
 
     _quiet_libraries()
     with user_errors():
+        comm = _comm()
+        rank0 = comm is None or comm.rank == 0
         if not run_dir.is_dir():
             raise UserError("run folder not found", file=str(run_dir))
-        with run_lock(run_dir):
-            r = resume_run(run_dir, warn=lambda m: err.print(f"[yellow]{m}[/]"))
+        with run_lock(run_dir) if rank0 else _nothing():
+            r = resume_run(run_dir, comm=comm, warn=lambda m: err.print(escape(m), style="yellow") if rank0 else None)
             if r.algorithm.done(r):
-                console.print(f"the run already finished at step {r.step}")
+                if rank0:
+                    console.print(f"the run already finished at step {r.step}")
                 summary = r.finish(time.time())
             else:
-                summary = _train(r, quiet)
-    _print_summary(summary, run_dir)
+                summary = _train(r, quiet or not rank0)
+    if rank0:
+        _print_summary(summary, run_dir)
 
 
 @app.command()
@@ -412,8 +467,18 @@ def main():
     try:
         app()
     except UserError as e:  # raised outside a command (plugin loading)
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        say_error(str(e))
         sys.exit(2)
+    except RuntimeError as e:
+        from .distributed import launched_by_torchrun
+
+        if not launched_by_torchrun():
+            raise
+        # A peer died or hung up mid-collective: say so plainly; checkpoints are written atomically.
+        rank = os.environ.get("RANK", "?")
+        say_error(f"rank {rank} lost contact with another rank ({str(e).splitlines()[0][:200]}). "
+                  "The last checkpoint is intact; continue with `dpreg resume DIR`.")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,14 @@ class LocalComm:
 
     rank = 0
     world_size = 1
+    bytes_sent = 0
+    micro_batch = None
 
     def shard(self, indices: torch.Tensor) -> torch.Tensor:
         return indices
+
+    def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        return local
 
     def all_reduce(self, total: ClippedSum) -> ClippedSum:
         return total
@@ -47,8 +52,11 @@ class LocalComm:
     def barrier(self) -> None:
         pass
 
-    def broadcast_object(self, obj):
+    def broadcast_object(self, obj, src: int = 0):
         return obj
+
+    def check_replicas(self, params, step) -> None:
+        pass
 
 
 @dataclass
@@ -67,6 +75,7 @@ class Run:
         self.recipe = recipe
         self.out_dir = Path(out_dir) if out_dir else None
         self.comm = comm or LocalComm()
+        self.comm.micro_batch = recipe.train.micro_batch_size
         self.console = console
         p = recipe.privacy
         self.budget = Budget(p.epsilon, p.delta, p.rho, p.relation)
@@ -78,6 +87,7 @@ class Run:
         self.nonfinite_steps = 0
         self.displacement: Displacement | None = None
         self._noise_calls = 0
+        self._bytes_logged = 0
         self._iterate_snapshot: dict[str, torch.Tensor] | None = None
         self.history: list[dict[str, Any]] = []
 
@@ -161,9 +171,13 @@ class Run:
     # ------------------------------------------------------------------ step services
 
     def noise(self):
-        """The secret noise source of the next release in this step."""
+        """The secret noise source of the next release in this step (identical on every rank)."""
         src = self.rng.noise(self.step, self._noise_calls)
         self._noise_calls += 1
+        if self.rng.secure_noise and self.comm.world_size > 1:
+            from .distributed import BroadcastNoise
+
+            src = BroadcastNoise(src, self.comm)
         return src
 
     def charge(self, events) -> list[Charge]:
@@ -172,14 +186,21 @@ class Run:
         return charges
 
     def privatize_batch(self, indices: torch.Tensor) -> ClippedSum:
-        """Clip-and-sum every contribution of this rank's shard, then add up across ranks."""
+        """Clip-and-sum every contribution of this rank's shard, and combine across ranks.
+
+        Contributions small enough to send (per-example scalars) are gathered first, so every rank
+        clips the whole batch in the single-process order; others all-reduce their clipped sums."""
         total: ClippedSum | None = None
+        gathered = False
         for contrib in self.estimator.contributions(self.objective, self.comm.shard(indices), self):
-            part = self.privatizer.clip_sum(contrib)
+            full = contrib.gather(self.comm) if self.comm.world_size > 1 else None
+            gathered = full is not None
+            part = self.privatizer.clip_sum(full if gathered else contrib)
             total = part if total is None else total.add_(part)
+            del contrib, full  # free activations before the next micro-batch
         if total is None:
             raise RuntimeError(f"estimator {self.estimator.name!r} yielded no contribution")
-        return self.comm.all_reduce(total)
+        return total if gathered else self.comm.all_reduce(total)
 
     def take_displacement(self) -> Displacement | None:
         d, self.displacement = self.displacement, None
@@ -237,6 +258,9 @@ class Run:
                     self._append_metrics(row)
                 if progress:
                     progress(self, result.metrics)
+                sc = self.recipe.train.sync_check_every
+                if self.comm.world_size > 1 and sc and (self.step % sc == 0 or last):
+                    self.comm.check_replicas(self.params, self.step)
                 ce = self.recipe.train.checkpoint_every
                 if ce and self.step % ce == 0 and not last:
                     self.save_checkpoint()
@@ -259,6 +283,9 @@ class Run:
                 row[k] = sum(vals) if k == "nonfinite" else sum(vals) / len(vals)
         row["epsilon"] = self.epsilon()
         row["wall_seconds"] = time.time() - t0
+        if self.comm.world_size > 1:  # payload bytes this rank sent, per step since the last row
+            row["comm_bytes_per_step"] = (self.comm.bytes_sent - self._bytes_logged) / max(len(window), 1)
+            self._bytes_logged = self.comm.bytes_sent
         self.history.append(row)
         return row
 
@@ -283,7 +310,7 @@ class Run:
                     self.params[k].copy_(v)
         metrics = self.objective.evaluate()
         self.save_checkpoint()
-        if self.out_dir:
+        if self.out_dir and self.comm.rank == 0:
             ckpt.write_atomic(self.out_dir / "model.safetensors",
                               {k: v.detach().cpu() for k, v in self.params.items()},
                               {"step": self.step, "recipe_hash": self.recipe.hash})

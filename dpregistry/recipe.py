@@ -39,7 +39,8 @@ TOP_LEVEL = {"extends", "description", "seed", "algorithm", "model", "data", "pr
              "output", *SECTIONS}
 #: keys that change neither privacy nor results (excluded from the recipe hash)
 COSMETIC = {("description",), ("train", "log_every"), ("train", "checkpoint_every"),
-            ("train", "keep_checkpoints"), ("train", "eval_every"), ("train", "progress")}
+            ("train", "keep_checkpoints"), ("train", "eval_every"), ("train", "progress"),
+            ("train", "sync_check_every")}
 
 Loc = tuple[str, int | None]  # (file, line)
 
@@ -208,6 +209,7 @@ class TrainSection(_Strict):
     micro_batch_size: int | None = Field(default=None, gt=0, description="physical batch (gradient accumulation)")
     device: str = "cpu"
     max_nonfinite_steps: int = Field(default=10, ge=0, description="stop after this many steps with NaN/inf examples")
+    sync_check_every: int = Field(default=100, ge=0, description="multi-process: compare parameter checksums every K steps")
     progress: bool = True
 
 

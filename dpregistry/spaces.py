@@ -26,7 +26,7 @@ drawn once. Its ``tensors`` are the released coordinates: Gaussian noise goes on
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -211,6 +211,11 @@ class Contribution(ABC):
     def weighted_sum(self, weights: torch.Tensor) -> Aggregate:
         """Σ_i w_i·c_i; rows with w_i = 0 contribute exactly 0 (NaN-safe)."""
 
+    def gather(self, comm) -> "Contribution | None":
+        """The whole batch's contribution from every rank's shard, when it is small enough to send
+        (per-example scalars); None means ranks all-reduce their clipped sums instead."""
+        return None
+
 
 @dataclass
 class DenseContribution(Contribution):
@@ -255,6 +260,10 @@ class DirectionContribution(Contribution):
         v = _mask_rows(self.values.to(acc_dtype(self.values.dtype)), weights).sum()
         return DirectionAggregate(v, self.direction, self.names)
 
+    def gather(self, comm):
+        return replace(self, values=comm.gather_rows(self.values),
+                       losses=comm.gather_rows(self.losses) if self.losses is not None else None)
+
 
 @dataclass
 class VectorZOContribution(Contribution):
@@ -285,6 +294,10 @@ class VectorZOContribution(Contribution):
         U = torch.stack(self._dirs(dt))  # [m, d]
         gram = U @ U.T
         return torch.einsum("bi,ij,bj->b", v, gram, v).clamp_min(0).sqrt()
+
+    def gather(self, comm):
+        return replace(self, values=comm.gather_rows(self.values),
+                       losses=comm.gather_rows(self.losses) if self.losses is not None else None)
 
     def weighted_sum(self, weights):
         dt = acc_dtype(self.values.dtype)

@@ -1,0 +1,130 @@
+"""Data-parallel private training on torch.distributed (gloo on CPU, NCCL on GPU).
+
+Every rank holds the model and the same public seeds, so it regenerates the same sampled batch,
+the same direction or projector, and the same noise (the secret noise key is derived identically
+on every rank; in secure mode rank 0 draws the noise and broadcasts it). A step's batch is cut into
+micro-batch-sized chunks dealt round-robin to the ranks; each rank evaluates its chunks and:
+
+* zeroth-order estimators send only their per-example scalars (all-gather, O(B) bytes): every
+  rank then clips, sums and noises the full vector in the single-process order, so 1 and N
+  processes give bit-identical runs;
+* first-order estimators clip locally and all-reduce the clipped sums (in the projected space for
+  DP-GRAPE), equal to the single-process run up to floating-point reduction order.
+
+Noise is added once (the same draw on every rank) and every rank applies the same update; a
+parameter checksum every ``train.sync_check_every`` steps proves the replicas did not drift.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from .stages import ClippedSum
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_from_env(timeout_s: float = 120.0) -> "TorchComm":
+    """Join the process group that torchrun describes in the environment."""
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() and os.environ.get("DPREG_BACKEND") != "gloo" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return TorchComm()
+
+
+class TorchComm:
+    def __init__(self):
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.bytes_sent = 0  # payload bytes this rank contributed to collectives
+        self.micro_batch: int | None = None
+        self._chunks: list[tuple[int, int]] = []
+
+    # -- batch sharding ----------------------------------------------------------------------
+
+    def shard(self, indices: torch.Tensor) -> torch.Tensor:
+        """This rank's chunks of the global batch (chunk j goes to rank j mod world size)."""
+        n = len(indices)
+        m = self.micro_batch or max(1, -(-n // self.world_size))
+        self._chunks = [(s, min(s + m, n)) for s in range(0, n, m)]
+        mine = [indices[s:e] for j, (s, e) in enumerate(self._chunks) if j % self.world_size == self.rank]
+        return torch.cat(mine) if mine else indices[:0]
+
+    def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """The per-example rows of every rank, back in the global order of the last ``shard``."""
+        W = self.world_size
+        sizes = [sum(e - s for j, (s, e) in enumerate(self._chunks) if j % W == r) for r in range(W)]
+        pad = max(sizes) if sizes else 0
+        buf = torch.zeros((pad,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+        buf[:len(local)] = local
+        parts = [torch.empty_like(buf) for _ in range(W)]
+        dist.all_gather(parts, buf)
+        self.bytes_sent += buf.numel() * buf.element_size()
+        cursor = [0] * W
+        rows = []
+        for j, (s, e) in enumerate(self._chunks):
+            r = j % W
+            rows.append(parts[r][cursor[r]:cursor[r] + (e - s)])
+            cursor[r] += e - s
+        return torch.cat(rows) if rows else local[:0]
+
+    # -- reductions ----------------------------------------------------------------------------
+
+    def all_reduce(self, total: ClippedSum) -> ClippedSum:
+        """Sum the clipped sums (and their counts) over ranks, in place."""
+        tensors = [total.aggregate.tensors[k] for k in sorted(total.aggregate.tensors)]
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+        dist.all_reduce(flat)
+        self.bytes_sent += flat.numel() * flat.element_size()
+        start = 0
+        for t in tensors:
+            t.copy_(flat[start:start + t.numel()].view_as(t))
+            start += t.numel()
+        stats = torch.tensor([total.count, total.clipped, total.nonfinite, total.loss_sum], dtype=torch.float64,
+                             device=flat.device)
+        dist.all_reduce(stats)
+        total.count, total.clipped, total.nonfinite = (int(x) for x in stats[:3].tolist())
+        total.loss_sum = float(stats[3])
+        return total
+
+    def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        dist.broadcast(t, src)
+        return t
+
+    def broadcast_object(self, obj, src: int = 0):
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def check_replicas(self, params: dict[str, torch.Tensor], step: int) -> None:
+        """Raise if the parameters differ between ranks (they must be bit-identical)."""
+        h = hashlib.sha256()
+        for k in sorted(params):
+            t = params[k].detach().contiguous().cpu()
+            h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
+        digests = [None] * self.world_size
+        dist.all_gather_object(digests, h.hexdigest())
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"replicas drifted at step {step}: parameter checksums differ across ranks")
+
+
+class BroadcastNoise:
+    """Secure-mode noise in a multi-process run: drawn on rank 0, identical everywhere."""
+
+    def __init__(self, inner, comm: TorchComm):
+        self.inner, self.comm = inner, comm
+
+    def randn(self, shape, dtype=torch.float32, device="cpu"):
+        z = self.inner.randn(shape, dtype=dtype, device=device) if self.comm.rank == 0 else \
+            torch.empty(shape, dtype=dtype, device=device)
+        return self.comm.broadcast_(z, 0)

@@ -1,0 +1,171 @@
+"""Data parallelism on torch.distributed (gloo, 2 processes on localhost, started by the tests).
+
+Zeroth-order runs are bit-identical to the single-process run; first-order runs equal it up to
+floating-point reduction order; ε is identical; checkpoints cross between 1 and 2 processes; a
+killed rank stops the run with the last checkpoint intact, and `dpreg resume` finishes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dpregistry import checkpoint as ckpt
+
+ZO = """\
+algorithm: standard
+seed: 1
+objective: {name: tabular, model: {kind: mlp, hidden: [16]}, data: {dataset: wine}}
+sampler: {name: poisson, batch_size: 32}
+estimator: {name: zo_two_point, lambda: 1.0e-3}
+privatizer: {name: gaussian, clip: 2.0, noise_multiplier: auto}
+update: {name: directional_sgd, lr: 0.01}
+accountant: rdp
+privacy: {epsilon: 8.0, delta: 1.0e-3}
+train: {steps: 20, log_every: 5, micro_batch_size: 8, sync_check_every: 1, checkpoint_every: 5, keep_checkpoints: 10}
+"""
+FO = ZO.replace("algorithm: standard", "algorithm: dp_adam").replace(
+    "estimator: {name: zo_two_point, lambda: 1.0e-3}\n", "").replace(
+    "update: {name: directional_sgd, lr: 0.01}", "update: {lr: 0.01}")
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def dpreg(*args, nproc=1, popen=False):
+    cmd = [sys.executable, "-m", "dpregistry", *map(str, args)]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "dpregistry", *map(str, args)]
+    if popen:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV)
+
+
+def model(out: Path):
+    return load_file(out / "model.safetensors")
+
+
+def summary(out: Path):
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Straight 1- and 2-process runs of the ZO and first-order recipes."""
+    root = tmp_path_factory.mktemp("dist")
+    out = {}
+    for name, text in (("zo", ZO), ("fo", FO)):
+        recipe = root / f"{name}.yaml"
+        recipe.write_text(text)
+        for n in (1, 2):
+            res = dpreg("run", recipe, "--out", root / f"{name}{n}", "-q", nproc=n)
+            assert res.returncode == 0, res.stderr[-3000:]
+            out[name, n] = root / f"{name}{n}"
+        out[name] = recipe
+    return root, out
+
+
+def test_zeroth_order_two_processes_equal_one_bit_for_bit(runs):
+    _, out = runs
+    a, b = model(out["zo", 1]), model(out["zo", 2])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert summary(out["zo", 1])["epsilon"] == summary(out["zo", 2])["epsilon"]
+    rows = [json.loads(x) for x in (out["zo", 2] / "metrics.jsonl").read_text().splitlines()]
+    # only per-example scalars crossed the network: B floats, whatever the model size
+    per_step = [r["comm_bytes_per_step"] for r in rows]
+    assert max(per_step) < 64 * 4 * 2  # at most a padded batch of fp32 values and losses
+
+
+def test_first_order_two_processes_equal_one_to_reduction_tolerance(runs):
+    _, out = runs
+    a, b = model(out["fo", 1]), model(out["fo", 2])
+    assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=1e-5) for k in a)
+    assert summary(out["fo", 1])["epsilon"] == summary(out["fo", 2])["epsilon"]
+    ledger1 = ckpt.latest_valid(out["fo", 1] / "checkpoints")[1]["ledger"]
+    ledger2 = ckpt.latest_valid(out["fo", 2] / "checkpoints")[1]["ledger"]
+    assert ledger1 == ledger2
+
+
+def _rewind(run_dir: Path, step: int) -> None:
+    """Make a finished run look interrupted at ``step``: later checkpoints and outputs gone."""
+    for s, p in ckpt.list_checkpoints(run_dir / "checkpoints"):
+        if s > step:
+            p.unlink()
+    (run_dir / "summary.json").unlink()
+    (run_dir / "model.safetensors").unlink()
+
+
+@pytest.mark.parametrize("written_by,resumed_by", [(2, 1), (1, 2)])
+def test_checkpoints_cross_between_process_counts(runs, written_by, resumed_by, tmp_path):
+    import shutil
+
+    _, out = runs
+    run_dir = tmp_path / "run"
+    shutil.copytree(out["zo", written_by], run_dir)
+    _rewind(run_dir, 10)
+    res = dpreg("resume", run_dir, "-q", nproc=resumed_by)
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = model(out["zo", 1]), model(run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert summary(run_dir)["epsilon"] == summary(out["zo", 1])["epsilon"]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                stat = (p / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(p.name))
+    return kids
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for kv in env:
+        if kv.startswith(b"RANK="):
+            return int(kv[5:])
+    return None
+
+
+def test_a_killed_rank_stops_the_run_and_resume_finishes_it(runs, tmp_path):
+    root, out = runs
+    long = root / "long.yaml"
+    long.write_text(ZO.replace("steps: 20", "steps: 3000").replace("checkpoint_every: 5", "checkpoint_every: 100")
+                    .replace("sync_check_every: 1", "sync_check_every: 50"))
+    run_dir = tmp_path / "run"
+    proc = dpreg("run", long, "--out", run_dir, "-q", nproc=2, popen=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(ckpt.list_checkpoints(run_dir / "checkpoints")) < 2:
+        time.sleep(0.2)
+    assert ckpt.list_checkpoints(run_dir / "checkpoints"), "the run never wrote a checkpoint"
+    victims = [c for c in _children(proc.pid) if _rank_of(c) == 1]
+    assert victims, "rank 1 not found"
+    os.kill(victims[0], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert not (run_dir / "summary.json").exists() or summary(run_dir)["step"] < 3000
+    tensors, meta, _ = ckpt.latest_valid(run_dir / "checkpoints")  # intact and verified
+    assert 0 < meta["step"] < 3000
+    res = dpreg("resume", run_dir, "-q")
+    assert res.returncode == 0, res.stderr[-3000:]
+    straight = tmp_path / "straight"
+    assert dpreg("run", long, "--out", straight, "-q").returncode == 0
+    a, b = model(straight), model(run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert summary(run_dir)["epsilon"] == summary(straight)["epsilon"]
