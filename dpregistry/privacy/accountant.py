@@ -198,7 +198,10 @@ class Accountant(Stage):
             need[(c.event, c.partition)] += c.count
         if all(self._approved[k] >= n for k, n in need.items()):
             return True
-        return self.fits(charges)
+        # Not (all) planned: it must fit together with the rest of the approved plan, which the
+        # shortcut above will let through later without another check.
+        rest = self._approved - need
+        return self.fits(charges + [Charge(e, p, n) for (e, p), n in rest.items()])
 
     def charge(self, charges: Iterable[Charge], step: int) -> None:
         """Charge, or raise BudgetExhausted (nothing is charged then)."""
@@ -209,6 +212,12 @@ class Accountant(Stage):
             k = (c.event, c.partition)
             self._approved[k] = max(0, self._approved[k] - c.count)
             self.ledger.add(c, step)
+
+    def overspend(self, extra: Iterable[Charge] = ()) -> str:
+        """What the ledger plus ``extra`` spends, against the budget (for error messages)."""
+        b = self.budget
+        eps = self.epsilon(extra=extra)
+        return f"ε = {eps:.6g} at δ = {b.delta:g}, more than the budget ε = {b.epsilon:g}"
 
     def spent(self) -> dict[str, float | str | None]:
         b = self.budget
@@ -387,19 +396,19 @@ def make_accountant(section: str | dict[str, Any], privacy: dict[str, Any] | Bud
 
 def largest_extra(terms: dict[str | None, list[tuple[int, float]]], budget: float,
                   partition: str | None = None) -> float:
-    """The largest cost that one more charge in ``partition`` may have and still pass
-    :func:`total_fits` (0 when nothing is left)."""
-    parts = {p: math.fsum(n * c for n, c in v) for p, v in terms.items()}
-    base = parts.pop(None, 0.0)
-    worst = max(parts.values()) if parts else 0.0
-    room = budget - base - (worst if partition is None else parts.get(partition, 0.0))
-    c = room if math.isfinite(room) and room > 0 else 0.0
-    for _ in range(64):
-        trial = {p: list(v) for p, v in terms.items()}
-        trial.setdefault(partition, []).append((1, c))
-        if total_fits(trial, budget):
-            return c
-        if c == 0.0:
-            break
-        c = c * (1 - 2.0 ** -40) if c > 1e-300 else 0.0
-    return 0.0
+    """The largest float cost that one more charge in ``partition`` may have and still pass
+    :func:`total_fits` (0 when nothing is left). Computed exactly, in rationals."""
+    if math.isinf(budget):
+        return budget
+    if any(math.isinf(c) or math.isnan(c) for v in terms.values() for _, c in v):
+        return 0.0
+    ex = {p: sum((Fraction(n) * Fraction(c) for n, c in v), Fraction(0)) for p, v in terms.items()}
+    base = ex.pop(None, Fraction(0))
+    worst = max(ex.values(), default=Fraction(0))
+    if base + worst > Fraction(budget):
+        return 0.0
+    room = Fraction(budget) - base - (worst if partition is None else ex.get(partition, Fraction(0)))
+    c = float(room)
+    if Fraction(c) > room:
+        c = math.nextafter(c, 0.0)
+    return max(c, 0.0)

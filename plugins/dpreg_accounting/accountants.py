@@ -297,6 +297,11 @@ class RdpFilter(RdpAccountant):
         """The largest RDP value at the filter's order that one more charge may have."""
         return largest_extra(self._terms(self.ledger.grouped()), self.order_budget(), partition)
 
+    def overspend(self, extra=()):
+        a = self.order
+        return (f"RDP {self.curve_at(self.ledger.grouped(list(extra))):.6g} at order {a:g}, more than the "
+                f"budget {self.order_budget():.6g} (ε = {self.budget.epsilon:g} at δ = {self.budget.delta:g})")
+
     def spent(self):
         out = super().spent()
         out.update(order=self.order, rdp=self.curve_at(self.ledger.grouped()), rdp_budget=self.order_budget())
@@ -580,6 +585,10 @@ class ZcdpAccountant(Accountant):
         if self.cfg.conversion == "tight":
             return _tight_delta(rho, epsilon)
         return zcdp_to_delta(rho, epsilon)
+
+    def overspend(self, extra=()):
+        rho = self.rho_of(self.ledger.grouped(list(extra)))
+        return f"ρ = {rho:.6g}, more than the budget ρ = {self.budget_rho():.6g} (zCDP)"
 
     def spent(self):
         out = super().spent() if self.budget.delta is not None else {
