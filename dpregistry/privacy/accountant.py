@@ -36,6 +36,11 @@ class Budget:
         if self.relation not in RELATIONS:
             raise ValueError(f"relation must be one of {RELATIONS}")
 
+    @property
+    def is_set(self) -> bool:
+        """Whether there is a target to enforce: (ε, δ) or ρ."""
+        return (self.epsilon is not None and self.delta is not None) or self.rho is not None
+
 
 class Ledger:
     """Every charge of a run, in order: [{event, count, partition, first_step, last_step}]."""
@@ -179,7 +184,10 @@ class Accountant(Stage):
         return self._delta(groups, epsilon)
 
     def fits(self, extra: Iterable[Charge] = ()) -> bool:
-        """Whether the ledger plus ``extra`` stays within the budget."""
+        """Whether the ledger plus ``extra`` stays within the budget (always, without a budget:
+        a run with no target, such as non-private MeZO, is recorded but not limited)."""
+        if not self.budget.is_set:
+            return True
         return self._fits(self.ledger.grouped(list(extra)))
 
     def approve(self, plan: list[Charge]) -> None:
