@@ -165,3 +165,27 @@ def test_a_step_that_fails_halfway_is_never_under_counted(uninterrupted, tmp_pat
     out = resumed.train()
     assert resumed.accountant.ledger.to_json() == full.accountant.ledger.to_json()
     assert out["epsilon"] == summary["epsilon"]
+
+
+def test_uniform_sampler_charges_sampling_without_replacement(tmp_path):
+    """Fixed-size random batches are accounted with WBK19 (dp-accounting) under replace-one;
+    the PLD accountant, which has no such analysis, is refused before step 1."""
+    import dp_accounting as dpa
+
+    from dpregistry.privacy.events import SampledWithoutReplacement
+
+    run = make_run(recipe(sampler={"name": "uniform", "batch_size": BATCH}, train={"steps": 5}), tmp_path)
+    run.train()
+    (entry,) = run.accountant.ledger.entries
+    assert entry["count"] == 5
+    z = run.privatizer.noise_multiplier
+    assert SampledWithoutReplacement.from_dict(entry["event"]) == SampledWithoutReplacement(
+        N, BATCH, Gaussian(std=z * CLIP, sensitivity=2 * CLIP))
+    direct = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+    direct.compose(dpa.SampledWithoutReplacementDpEvent(N, BATCH, dpa.GaussianDpEvent(z / 2)), 5)
+    assert run.epsilon() == pytest.approx(direct.get_epsilon(1e-5), rel=1e-12)
+    assert all(len(run.sampler.indices(t, run).unique()) == BATCH for t in range(3))
+    with pytest.raises(UserError, match="cannot account 'sampled_without_replacement'"):
+        make_run(recipe(sampler={"name": "uniform", "batch_size": BATCH}, accountant="pld"), tmp_path)
+    with pytest.raises(UserError, match="replace-one"):
+        make_run(recipe(sampler={"name": "uniform", "batch_size": BATCH}, privacy={"relation": "add_remove"}), tmp_path)
