@@ -77,6 +77,9 @@ def test_rdp_curve_of_a_gaussian_is_alpha_over_2z2_and_bounds_the_truth(std, sen
     truth = exact_epsilon(sens / std, delta)
     got = eps_of("rdp", [(Gaussian(std, sens), 1)], delta)
     assert truth <= got <= truth * 1.3 + 0.05  # RDP is an upper bound, somewhat loose
+    a = acc("rdp", delta=delta)
+    a.charge([Charge(Gaussian(std, sens))], 0)
+    assert exact_delta(sens / std, got) <= a.delta(got) <= delta * (1 + 1e-9)  # δ(ε) inverts ε(δ)
 
 
 def test_zcdp_reference_values_spec004():
