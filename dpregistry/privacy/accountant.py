@@ -105,7 +105,10 @@ class Accountant(Stage):
 
     Subclasses implement ``_epsilon(groups, delta)`` and ``_delta(groups, epsilon)`` over grouped
     charges (``{partition: Counter(event -> count)}``), and say which ``notion`` they state
-    and whether they are a valid privacy filter under fully adaptive composition.
+    and whether they are a valid privacy filter under fully adaptive composition. The budget
+    decision is ``_fits``; calibration solves for the root of ``_slack`` (log spent/budget, <= 0
+    exactly when ``_fits``), so an accountant that budgets in another currency (ρ, RDP at one
+    order) overrides both.
     """
 
     kind = "accountant"
