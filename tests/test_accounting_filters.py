@@ -142,8 +142,12 @@ def test_approved_plan_stays_reserved_for_unplanned_charges():
     for step in range(4, 8):
         acc.charge([Charge(planned)], step)
     assert acc.rho() == 1.0
+    split = [Charge(ZCDP(0.1), count=10)]
+    fresh = make_accountant("zcdp", Budget(rho=1.0))
     with pytest.raises(BudgetExhausted):
-        acc.approve([Charge(ZCDP(0.1), count=10)])  # 10 × fl(0.1) exceeds 1 exactly: refused
+        fresh.approve(split)  # 10 × fl(0.1) exceeds 1 exactly: refused, and the message says why
+    assert "rounding only" in fresh.overspend(split)
+    fresh.approve([Charge(ZCDP(0.1 * (1 - 1e-9)), count=10)])
 
 
 # ------------------------------------------------------------------------------------------

@@ -298,14 +298,21 @@ class RdpFilter(RdpAccountant):
         return largest_extra(self._terms(self.ledger.grouped()), self.order_budget(), partition)
 
     def overspend(self, extra=()):
-        a = self.order
-        return (f"RDP {self.curve_at(self.ledger.grouped(list(extra))):.6g} at order {a:g}, more than the "
-                f"budget {self.order_budget():.6g} (ε = {self.budget.epsilon:g} at δ = {self.budget.delta:g})")
+        a, spent, budget = self.order, self.curve_at(self.ledger.grouped(list(extra))), self.order_budget()
+        return (f"RDP {spent:.6g} at order {a:g}, more than the budget {budget:.6g} (ε = {self.budget.epsilon:g} "
+                f"at δ = {self.budget.delta:g})" + _rounding_hint(spent, budget))
 
     def spent(self):
         out = super().spent()
         out.update(order=self.order, rdp=self.curve_at(self.ledger.grouped()), rdp_budget=self.order_budget())
         return out
+
+
+def _rounding_hint(spent: float, budget: float) -> str:
+    if spent <= budget * (1 + 1e-9):
+        return (" — over by floating-point rounding only (the filters decide exactly); size the noise for a "
+                "slightly smaller cost, for example ρ·(1 − 1e-9) per step")
+    return ""
 
 
 def _consistent(slack: float, fits: bool) -> float:
@@ -587,8 +594,8 @@ class ZcdpAccountant(Accountant):
         return zcdp_to_delta(rho, epsilon)
 
     def overspend(self, extra=()):
-        rho = self.rho_of(self.ledger.grouped(list(extra)))
-        return f"ρ = {rho:.6g}, more than the budget ρ = {self.budget_rho():.6g} (zCDP)"
+        rho, budget = self.rho_of(self.ledger.grouped(list(extra))), self.budget_rho()
+        return f"ρ = {rho:.6g}, more than the budget ρ = {budget:.6g} (zCDP)" + _rounding_hint(rho, budget)
 
     def spent(self):
         out = super().spent() if self.budget.delta is not None else {
