@@ -154,7 +154,7 @@ def test_kl_ledger_costs_spec004_table():
     """True zCDP costs Δ²/(2σ²) of spec 004 §2's queries under replace-one (Δ = 2L0/n)."""
     from dpreg_accounting.accountants import zcdp_rho
 
-    n, L0, rho, K, d, ell = 1000, 1.3, 0.5, 7, 10, 2.0
+    n, L0, rho, K = 1000, 1.3, 0.5, 7
     delta_q = 2 * L0 / n
     anchor = Gaussian(std=L0 * math.sqrt(K) / (n * math.sqrt(rho)), sensitivity=delta_q)
     assert zcdp_rho(anchor) == pytest.approx(2 * rho / K)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conftest import write_recipe
 from dpregistry import Algorithm, BudgetExhausted, Charge, StepResult, UserError, hookimpl
 from dpregistry.privacy.accountant import Budget, make_accountant, total_fits
-from dpregistry.privacy.events import ZCDP, Gaussian, PoissonSampled
+from dpregistry.privacy.events import ZCDP, Gaussian
 
 PARTITIONS = st.sampled_from([None, None, "a", "b"])
 COSTS = st.one_of(
