@@ -4,7 +4,6 @@ spec §8B reference multipliers."""
 
 from __future__ import annotations
 
-
 import dp_accounting as dpa
 import numpy as np
 import pytest
