@@ -291,9 +291,11 @@ def solve_boundary(slack: Callable[[float], float], *, lo: float, hi: float, rto
     tol = math.log1p(rtol)
     ulo, uhi = math.log(lo), math.log(hi)
     pts = [(math.log(z), s) for z, s in known]
+    at = {math.log(z): z for z, _ in known}  # the z each point was evaluated at (exp∘log may differ by an ulp)
 
     def ev(u: float) -> float:
-        s = slack(math.exp(u))
+        at[u] = z = lo if u == ulo else hi if u == uhi else math.exp(u)
+        s = slack(z)
         pts.append((u, s))
         return s
 
@@ -323,7 +325,7 @@ def solve_boundary(slack: Callable[[float], float], *, lo: float, hi: float, rto
             ev(min(uhi, end[0] + step))
         else:
             if end[0] <= ulo + 1e-12:
-                return lo
+                return at[end[0]]
             ev(max(ulo, end[0] - step))
     (a, sa), (b, sb) = a, b
     last = 0
@@ -349,7 +351,7 @@ def solve_boundary(slack: Callable[[float], float], *, lo: float, hi: float, rto
             if last == -1:
                 sb /= 2
             last = -1
-    return math.exp(b)
+    return at[b]
 
 
 #: relative error margin of a float sum of non-negative costs (see ``total_fits``)
