@@ -330,13 +330,15 @@ def _consistent(slack: float, fits: bool) -> float:
 @lru_cache(maxsize=64)
 def pld_of(ev: PrivacyEvent, relation: str, discretization: float):
     """dp-accounting PLD of one base event (math.inf for a non-private one). Cached: building the
-    PLD of a replace-one subsampled Gaussian at a small noise is the slow part of accounting."""
+    PLD of a replace-one subsampled Gaussian at a small noise is the slow part of accounting.
+    Connect-the-dots PLDs (Doroshenko et al. 2022) stay pessimistic and close to the truth even at
+    coarse discretizations, which the coarse stage of calibration relies on."""
     if isinstance(ev, TreeAggregation):
         ev = ev.as_gaussian()
     if isinstance(ev, Gaussian):
         if ev.std == 0:
             return math.inf
-        return pldlib.from_gaussian_mechanism(ev.std, sensitivity=ev.sensitivity,
+        return pldlib.from_gaussian_mechanism(ev.std, sensitivity=ev.sensitivity, use_connect_dots=True,
                                               value_discretization_interval=discretization)
     if isinstance(ev, PoissonSampled):
         inner = ev.event.as_gaussian() if isinstance(ev.event, TreeAggregation) else ev.event
@@ -348,9 +350,10 @@ def pld_of(ev: PrivacyEvent, relation: str, discretization: float):
             # per-record bound = Δ/2: the differing record moves the sum by ±Δ/2 from the rest
             return pldlib.from_gaussian_mechanism(inner.std, sensitivity=inner.sensitivity / 2,
                                                   sampling_prob=ev.q, neighboring_relation=NR.REPLACE_ONE,
+                                                  use_connect_dots=True,
                                                   value_discretization_interval=discretization)
         return pldlib.from_gaussian_mechanism(inner.std, sensitivity=inner.sensitivity, sampling_prob=ev.q,
-                                              neighboring_relation=NR.ADD_OR_REMOVE_ONE,
+                                              neighboring_relation=NR.ADD_OR_REMOVE_ONE, use_connect_dots=True,
                                               value_discretization_interval=discretization)
     if isinstance(ev, Exponential):
         # any pure ε-DP mechanism is dominated by randomized response's privacy loss
