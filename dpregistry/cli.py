@@ -354,13 +354,9 @@ def plugins(as_json: Annotated[bool, typer.Option("--json")] = False):
 
 
 def _accountant(name: str, epsilon=None, delta=None, relation="replace_one"):
-    from .privacy.accountant import Budget
-    from .registry import get_registry
+    from .privacy.accountant import Budget, make_accountant
 
-    entry = get_registry().get("accountant", name)
-    acc = entry.cls()
-    acc.bind(Budget(epsilon=epsilon, delta=delta, relation=relation))
-    return acc
+    return make_accountant(name, Budget(epsilon=epsilon, delta=delta, relation=relation))
 
 
 def _subsampled_plan(steps: int, q: float, relation: str):
@@ -442,23 +438,41 @@ def _check_ranges(epsilon=None, delta=None, steps=None, sample_rate=None, relati
 
 @privacy_app.command("report")
 def privacy_report(run_dir: Path,
+                   points: Annotated[int, typer.Option("--points", help="steps at which to recompute ε")] = 25,
                    as_json: Annotated[bool, typer.Option("--json")] = False):
     """The privacy ledger of a run: events, ε over steps, the accountant, and a PNG plot."""
     from .report import privacy_report as build
 
     with user_errors():
-        rep = build(run_dir)
+        if points < 1:
+            raise UserError("--points must be positive")
+        rep = build(run_dir, points=points)
     if as_json:
         print(json.dumps(rep, default=str, indent=2))
         return
-    console.print(f"accountant [bold]{rep['accountant']}[/] ({rep['notion']}, {rep['relation'].replace('_', '-')}), "
-                  f"ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g} after {rep['step']} steps"
-                  + (f" (budget {rep['target_epsilon']:g})" if rep.get("target_epsilon") else ""))
-    t = Table("steps", "count", "partition", "event")
+    head = f"accountant [bold]{rep['accountant']}[/] ({rep['notion']}, {rep['relation'].replace('_', '-')}), " \
+           f"{rep['charges']} charges over {rep['step']} steps"
+    if rep.get("epsilon") is not None:
+        head += f": ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g}"
+        if rep.get("target_epsilon"):
+            head += f" (budget {rep['target_epsilon']:g})"
+    if rep.get("rho") is not None:
+        head += f"; ρ = {rep['rho']:.4g} of {rep['target_rho']:.4g}"
+    console.print(head)
+    if rep.get("noise_multiplier") is not None:
+        console.print(f"noise multiplier {rep['noise_multiplier']:.6g}")
+    t = Table("steps", "count", "partition", "event", title="ledger")
     for e in rep["ledger"]:
         t.add_row(f"{e['first_step']}–{e['last_step']}", str(e["count"]), str(e["partition"] or "all"),
                   e["describe"])
     console.print(t)
+    curve = rep["spent_over_steps"]
+    if curve:
+        shown = curve if len(curve) <= 10 else [curve[round(i * (len(curve) - 1) / 9)] for i in range(10)]
+        t = Table("steps", rep["spent_label"], title="privacy spent over steps")
+        for k, v in shown:
+            t.add_row(str(k), f"{v:.4g}")
+        console.print(t)
     if rep.get("plot"):
         console.print(f"plot: {rep['plot']}")
 

@@ -162,10 +162,9 @@ class Run:
             try:
                 self.accountant.approve(plan)
             except BudgetExhausted:
-                eps = self.accountant.epsilon(extra=plan) if self.budget.delta else float("nan")
-                raise UserError(f"the planned run spends ε = {eps:.4g} (δ = {self.budget.delta:g}), more than "
-                                f"the budget ε = {self.budget.epsilon:g}; raise the noise, lower the steps or the "
-                                f"sampling rate, or set privatizer.noise_multiplier: auto",
+                spent = "the ledger so far and the rest of the plan" if self.accountant.ledger.entries else "the planned run"
+                raise UserError(f"{spent} spends {self.accountant.overspend(plan)}; raise the noise, lower the "
+                                f"steps or the sampling rate, or set privatizer.noise_multiplier: auto",
                                 file=self.recipe.source, key="privacy") from None
 
     # ------------------------------------------------------------------ step services

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable, ClassVar, Iterable
 
 from ..errors import BudgetExhausted, UserError
@@ -34,6 +35,11 @@ class Budget:
     def __post_init__(self):
         if self.relation not in RELATIONS:
             raise ValueError(f"relation must be one of {RELATIONS}")
+
+    @property
+    def is_set(self) -> bool:
+        """Whether there is a target to enforce: (ε, δ) or ρ."""
+        return (self.epsilon is not None and self.delta is not None) or self.rho is not None
 
 
 class Ledger:
@@ -67,6 +73,25 @@ class Ledger:
     def n_charges(self) -> int:
         return sum(e["count"] for e in self.entries)
 
+    @property
+    def last_step(self) -> int | None:
+        return max((e["last_step"] for e in self.entries), default=None)
+
+    def until(self, step: int) -> "Ledger":
+        """The charges made at steps <= ``step``. An entry that spans ``step`` keeps its share,
+        rounded up (entries merge consecutive steps, usually one charge per step)."""
+        out = []
+        for e in self.entries:
+            if e["first_step"] > step:
+                continue
+            e = dict(e)
+            if e["last_step"] > step:
+                span = e["last_step"] - e["first_step"] + 1
+                e["count"] = -(-e["count"] * (step - e["first_step"] + 1) // span)
+                e["last_step"] = step
+            out.append(e)
+        return Ledger(out)
+
     def to_json(self) -> list[dict[str, Any]]:
         return [dict(e) for e in self.entries]
 
@@ -80,7 +105,10 @@ class Accountant(Stage):
 
     Subclasses implement ``_epsilon(groups, delta)`` and ``_delta(groups, epsilon)`` over grouped
     charges (``{partition: Counter(event -> count)}``), and say which ``notion`` they state
-    and whether they are a valid privacy filter under fully adaptive composition.
+    and whether they are a valid privacy filter under fully adaptive composition. The budget
+    decision is ``_fits``; calibration solves for the root of ``_slack`` (log spent/budget, <= 0
+    exactly when ``_fits``), so an accountant that budgets in another currency (ρ, RDP at one
+    order) overrides both.
     """
 
     kind = "accountant"
@@ -117,10 +145,16 @@ class Accountant(Stage):
 
     def _fits(self, groups: dict[str | None, Counter]) -> bool:
         """Whether ``groups`` stay within the budget (ε at the target δ by default)."""
+        return self._slack(groups) <= 0
+
+    def _slack(self, groups: dict[str | None, Counter]) -> float:
+        """log(spent / budget): <= 0 exactly when ``groups`` fit. Calibration solves for its root,
+        so a smooth slack (rather than a yes/no answer) makes it converge in a few evaluations."""
         b = self.budget
         if b.epsilon is None or b.delta is None:
             raise UserError(f"accountant {self.name!r} needs privacy.epsilon and privacy.delta")
-        return self._epsilon(groups, b.delta) <= b.epsilon
+        eps = self._epsilon(groups, b.delta)
+        return _log_ratio(eps, b.epsilon)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -153,7 +187,10 @@ class Accountant(Stage):
         return self._delta(groups, epsilon)
 
     def fits(self, extra: Iterable[Charge] = ()) -> bool:
-        """Whether the ledger plus ``extra`` stays within the budget."""
+        """Whether the ledger plus ``extra`` stays within the budget (always, without a budget:
+        a run with no target, such as non-private MeZO, is recorded but not limited)."""
+        if not self.budget.is_set:
+            return True
         return self._fits(self.ledger.grouped(list(extra)))
 
     def approve(self, plan: list[Charge]) -> None:
@@ -172,7 +209,10 @@ class Accountant(Stage):
             need[(c.event, c.partition)] += c.count
         if all(self._approved[k] >= n for k, n in need.items()):
             return True
-        return self.fits(charges)
+        # Not (all) planned: it must fit together with the rest of the approved plan, which the
+        # shortcut above will let through later without another check.
+        rest = self._approved - need
+        return self.fits(charges + [Charge(e, p, n) for (e, p), n in rest.items()])
 
     def charge(self, charges: Iterable[Charge], step: int) -> None:
         """Charge, or raise BudgetExhausted (nothing is charged then)."""
@@ -184,6 +224,12 @@ class Accountant(Stage):
             self._approved[k] = max(0, self._approved[k] - c.count)
             self.ledger.add(c, step)
 
+    def overspend(self, extra: Iterable[Charge] = ()) -> str:
+        """What the ledger plus ``extra`` spends, against the budget (for error messages)."""
+        b = self.budget
+        eps = self.epsilon(extra=extra)
+        return f"ε = {eps:.6g} at δ = {b.delta:g}, more than the budget ε = {b.epsilon:g}"
+
     def spent(self) -> dict[str, float | str | None]:
         b = self.budget
         eps = self.epsilon() if b.delta is not None else None
@@ -191,26 +237,19 @@ class Accountant(Stage):
                 "accountant": self.name, "notion": self.notion, "relation": b.relation}
 
     def calibrate(self, plan: Callable[[float], list[Charge]], *, lo: float = 1e-2, hi: float = 1e3,
-                  rtol: float = 1e-4) -> float:
-        """The smallest noise multiplier whose planned run fits the budget (bisection).
+                  rtol: float = 1e-4, guess: float = 1.0) -> float:
+        """The smallest noise multiplier in [lo, hi] whose planned run (on top of the ledger) fits
+        the budget, to a relative ``rtol``.
 
-        Returns the upper end of the final bracket, so the result always fits.
+        Returns the fitting end of the final bracket, so the result always fits.
         """
-        def ok(z: float) -> bool:
-            return self.fits(plan(z))
+        return solve_boundary(lambda z: self._slack(self.ledger.grouped(plan(z))),
+                              lo=lo, hi=hi, rtol=rtol, guess=guess)
 
-        if not ok(hi):
-            raise UserError(f"no noise multiplier up to {hi:g} meets the budget; "
-                            "lower the steps or the sampling rate, or raise ε")
-        if ok(lo):
-            return lo
-        while hi / lo > 1 + rtol:
-            mid = math.sqrt(lo * hi)
-            if ok(mid):
-                hi = mid
-            else:
-                lo = mid
-        return hi
+    def remaining(self) -> float | None:
+        """What is left of the budget in the filter's own currency (ρ for zcdp, the RDP value at
+        the filter's order for rdp_filter); None for accountants that are not filters."""
+        return None
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -220,3 +259,169 @@ class Accountant(Stage):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ledger = Ledger.from_json(state.get("ledger", []))
 
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _log_ratio(spent: float, budget: float) -> float:
+    if spent <= 0:
+        return -math.inf
+    if math.isinf(spent) or math.isnan(spent):
+        return math.inf
+    return math.log(spent / budget)
+
+
+def solve_boundary(slack: Callable[[float], float], *, lo: float, hi: float, rtol: float,
+                   guess: float = 1.0, known: Iterable[tuple[float, float]] = (),
+                   slope: float = 1.0) -> float:
+    """The smallest z in [lo, hi] with ``slack(z) <= 0``, for a slack that decreases in z.
+
+    ``known`` are (z, slack(z)) pairs already computed; ``slope`` is a rough -d slack/d log z used
+    to size the first bracketing steps (1 suits ε ∝ 1/z). The search brackets the boundary,
+    then narrows the bracket by regula falsi on (log z, slack) with the Illinois modification
+    (fast on the near-linear log-log curves of privacy losses), falling back to bisection where
+    the slack is infinite. Returns the fitting end of a bracket [a, b] with b/a <= 1 + rtol,
+    whose other end was evaluated and does not fit: the result always fits, and is tight.
+    """
+    if not (0 < lo < hi and rtol > 0):
+        raise ValueError("need 0 < lo < hi and rtol > 0")
+    tol = math.log1p(rtol)
+    ulo, uhi = math.log(lo), math.log(hi)
+    pts = [(math.log(z), s) for z, s in known]
+    at = {math.log(z): z for z, _ in known}  # the z each point was evaluated at (exp∘log may differ by an ulp)
+
+    def ev(u: float) -> float:
+        at[u] = z = lo if u == ulo else hi if u == uhi else math.exp(u)
+        s = slack(z)
+        pts.append((u, s))
+        return s
+
+    if not pts:
+        ev(min(max(math.log(guess), ulo), uhi))
+    walks = 0
+    while True:  # bracket: the highest point that does not fit, the lowest fitting point above it
+        unfit = [p for p in pts if not p[1] <= 0]
+        a = max(unfit) if unfit else None
+        fit = [p for p in pts if p[1] <= 0 and (a is None or p[0] > a[0])]
+        b = min(fit) if fit else None
+        if a is not None and b is not None:
+            break
+        end = a if b is None else b
+        s = end[1]
+        pred = abs(s) / slope if math.isfinite(s) else math.inf  # predicted distance to the boundary
+        if pred < tol:                  # just past the boundary, close enough to end the search
+            step = min(pred + tol / 3, tol * (1 - 1e-6))
+        else:
+            step = min(1.5 * pred, math.log(4.0))
+        step *= 2 ** walks
+        walks += 1
+        if b is None:
+            if end[0] >= uhi - 1e-12:
+                raise UserError(f"no noise multiplier up to {hi:g} meets the budget; "
+                                "lower the steps or the sampling rate, or raise the budget")
+            ev(min(uhi, end[0] + step))
+        else:
+            if end[0] <= ulo + 1e-12:
+                return at[end[0]]
+            ev(max(ulo, end[0] - step))
+    (a, sa), (b, sb) = a, b
+    last = 0
+    while b - a > tol:
+        w = b - a
+        if math.isfinite(sa) and math.isfinite(sb) and sa != sb:
+            u = b - sb * w / (sb - sa)
+        else:
+            u = a + w / 2
+        # aim a third of the tolerance past the estimate, on the side that did not move last:
+        # two good estimates then straddle the boundary and close the bracket
+        u += -tol / 3 if last == 1 else tol / 3
+        margin = min(tol / 3, w / 4)
+        u = min(max(u, a + margin), b - margin)
+        su = ev(u)
+        if su <= 0:
+            b, sb = u, su
+            if last == 1:
+                sa /= 2                          # Illinois: the stale end loses weight
+            last = 1
+        else:
+            a, sa = u, su
+            if last == -1:
+                sb /= 2
+            last = -1
+    return at[b]
+
+
+#: relative error margin of a float sum of non-negative costs (see ``total_fits``)
+_MARGIN = 2.0 ** -48
+
+
+def total_fits(terms: dict[str | None, list[tuple[int, float]]], budget: float) -> bool:
+    """Whether Σ_unpartitioned + max_partition Σ count·cost <= budget, never rounding in the
+    spender's favour.
+
+    ``terms`` maps a partition (None: all records) to (count, cost) pairs. The float sum is off
+    from the exact one by far less than a relative 2^-48; outside that window it decides, inside
+    it the sum is recomputed exactly in rationals (so a budget split exactly, like T charges of
+    ρ/T, still fits, and a total one ulp over the budget does not).
+    """
+    def float_total(pairs):
+        return math.fsum(n * c for n, c in pairs)
+
+    parts = {p: float_total(v) for p, v in terms.items()}
+    base = parts.pop(None, 0.0)
+    total = base + (max(parts.values()) if parts else 0.0)
+    if math.isnan(total):
+        return False
+    if math.isinf(total) or math.isinf(budget):
+        return total <= budget
+    if total <= budget * (1 - _MARGIN):
+        return True
+    if total > budget * (1 + _MARGIN):
+        return False
+
+    def exact(pairs):
+        return sum((Fraction(n) * Fraction(c) for n, c in pairs), Fraction(0))
+
+    ex = {p: exact(v) for p, v in terms.items()}
+    ebase = ex.pop(None, Fraction(0))
+    return ebase + (max(ex.values()) if ex else Fraction(0)) <= Fraction(budget)
+
+
+def make_accountant(section: str | dict[str, Any], privacy: dict[str, Any] | Budget | None = None) -> Accountant:
+    """An accountant from a recipe's ``accountant`` section (a name, or a mapping with ``name``
+    and its parameters) bound to a budget (a recipe's ``privacy`` section, or a Budget)."""
+    from ..registry import get_registry
+
+    spec = {"name": section} if isinstance(section, str) else dict(section)
+    name = spec.pop("name")
+    cls = get_registry().get("accountant", name).cls
+    acc = cls(cls.Params.model_validate(spec))
+    if isinstance(privacy, Budget):
+        acc.bind(privacy)
+    elif privacy:
+        acc.bind(Budget(privacy.get("epsilon"), privacy.get("delta"), privacy.get("rho"),
+                        privacy.get("relation", "replace_one")))
+    return acc
+
+
+def largest_extra(terms: dict[str | None, list[tuple[int, float]]], budget: float,
+                  partition: str | None = None) -> float:
+    """The largest float cost that one more charge in ``partition`` may have and still pass
+    :func:`total_fits` (0 when nothing is left). Computed exactly, in rationals."""
+    if math.isinf(budget):
+        return budget
+    if any(math.isinf(c) or math.isnan(c) for v in terms.values() for _, c in v):
+        return 0.0
+    ex = {p: sum((Fraction(n) * Fraction(c) for n, c in v), Fraction(0)) for p, v in terms.items()}
+    base = ex.pop(None, Fraction(0))
+    worst = max(ex.values(), default=Fraction(0))
+    if base + worst > Fraction(budget):
+        return 0.0
+    room = Fraction(budget) - base - (worst if partition is None else ex.get(partition, Fraction(0)))
+    c = float(room)
+    if Fraction(c) > room:
+        c = math.nextafter(c, 0.0)
+    return max(c, 0.0)

@@ -97,6 +97,10 @@ class PoissonSampled(PrivacyEvent):
     q: float
     event: PrivacyEvent
 
+    def __post_init__(self):
+        if not 0 < self.q <= 1:
+            raise ValueError(f"a sampling rate must be in (0, 1], got {self.q}")
+
     def describe(self) -> str:
         return f"poisson(q={self.q:.4g}, {self.event.describe()})"
 
@@ -109,6 +113,10 @@ class SampledWithoutReplacement(PrivacyEvent):
     n: int
     batch_size: int
     event: PrivacyEvent
+
+    def __post_init__(self):
+        if not 1 <= self.batch_size <= self.n:
+            raise ValueError(f"need 1 <= batch_size <= n, got {self.batch_size} of {self.n}")
 
     def describe(self) -> str:
         return f"wor({self.batch_size}/{self.n}, {self.event.describe()})"
@@ -153,20 +161,46 @@ class ZCDP(PrivacyEvent):
         return f"zcdp(ρ={self.rho:.4g})"
 
 
+def tree_nodes_per_record(period: int) -> int:
+    """⌊log₂T⌋+1: the most released nodes of a binary tree over T leaves that contain one leaf.
+
+    The released nodes are the dyadic intervals [k·2^j+1, (k+1)·2^j] that end by T; a leaf lies in
+    one per level j, for the levels with 2^j <= T (spec 001 §2.4 erratum: not 2 ln T, which is
+    smaller for T in {1, 2, 4}).
+    """
+    if period < 1:
+        raise ValueError(f"a tree period has at least one step, got {period}")
+    return int(period).bit_length()  # = ⌊log₂T⌋+1, exactly, in integers
+
+
 @dataclass(frozen=True)
 class TreeAggregation(PrivacyEvent):
     """Binary-tree (continual counting) release of prefix sums over one period.
 
     Each node carries N(0, std² I); a record enters ``nodes_per_record`` released nodes
-    (⌊log2 T⌋+1 for a period of T steps), each with L2 sensitivity at most ``sensitivity``.
-    The record's influence is therefore a Gaussian mechanism of sensitivity
-    ``sensitivity·sqrt(nodes_per_record)`` (exact for equal node noise; adaptivity allowed).
+    (⌊log2 T⌋+1 for a period of T steps, :func:`tree_nodes_per_record`), each with L2 sensitivity
+    at most ``sensitivity``. The record's influence is therefore a Gaussian mechanism of
+    sensitivity ``sensitivity·sqrt(nodes_per_record)`` (exact for equal node noise; adaptively
+    chosen increments allowed: spec 001 §2.3, spec 002 §2.3).
     """
 
     type: ClassVar[str] = "tree_aggregation"
     std: float
     sensitivity: float
     nodes_per_record: int
+
+    def __post_init__(self):
+        if not (self.sensitivity > 0 and math.isfinite(self.sensitivity)):
+            raise ValueError(f"tree sensitivity must be positive and finite, got {self.sensitivity}")
+        if not (self.std >= 0):
+            raise ValueError(f"tree std must be >= 0, got {self.std}")
+        if not (isinstance(self.nodes_per_record, int) and self.nodes_per_record >= 1):
+            raise ValueError(f"nodes_per_record must be a positive integer, got {self.nodes_per_record}")
+
+    @classmethod
+    def for_period(cls, std: float, sensitivity: float, period: int) -> "TreeAggregation":
+        """The event of one tree over ``period`` steps (each record in ⌊log₂T⌋+1 nodes)."""
+        return cls(std=std, sensitivity=sensitivity, nodes_per_record=tree_nodes_per_record(period))
 
     def as_gaussian(self) -> Gaussian:
         return Gaussian(std=self.std, sensitivity=self.sensitivity * math.sqrt(self.nodes_per_record))
@@ -185,6 +219,10 @@ class Exponential(PrivacyEvent):
     type: ClassVar[str] = "exponential"
     epsilon: float
     bounded_range: bool = True
+
+    def __post_init__(self):
+        if not (self.epsilon >= 0):
+            raise ValueError(f"exponential mechanism ε must be >= 0, got {self.epsilon}")
 
     def zcdp_rho(self) -> float:
         return self.epsilon ** 2 / (8.0 if self.bounded_range else 2.0)

@@ -1,4 +1,4 @@
-"""Samplers: Poisson (amplified), shuffled fixed-size batches, and the full batch."""
+"""Samplers: Poisson and uniform fixed-size (amplified), shuffled fixed-size batches, the full batch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from pydantic import Field, model_validator
 
 from dpregistry import Charge, Sampler, StageParams, UserError
-from dpregistry.privacy.events import NonPrivate, PoissonSampled
+from dpregistry.privacy.events import NonPrivate, PoissonSampled, SampledWithoutReplacement
 
 
 class PoissonParams(StageParams):
@@ -97,6 +97,39 @@ class ShuffleSampler(Sampler):
         return []  # covered by the charge at the epoch's first step
 
 
+class UniformParams(StageParams):
+    batch_size: int = Field(gt=0, description="B: every batch has exactly B records")
+
+
+class UniformSampler(Sampler):
+    """A fresh uniformly random batch of exactly B of the n records at every step (sampling
+    without replacement), amplified by Wang–Balle–Kasiviswanathan 2019 (replace-one; rdp, zcdp)."""
+
+    name = "uniform"
+    Params = UniformParams
+
+    def setup(self, run):
+        self.n = run.n_train
+        self.B = self.cfg.batch_size
+        if self.B > self.n:
+            raise UserError(f"sampler.batch_size {self.B} exceeds the data set size {self.n}", key="sampler.batch_size")
+
+    def validate(self, run):
+        if run.relation != "replace_one":
+            raise UserError("the uniform sampler's amplification is analysed under replace-one neighbours "
+                            "(privacy.relation: replace_one); use the poisson sampler for add/remove", key="sampler")
+
+    def indices(self, step, run):
+        return torch.randperm(self.n, generator=run.rng.generator("uniform", step))[:self.B]
+
+    def expected_batch_size(self, run):
+        return float(self.B)
+
+    def account(self, step, events, run):
+        return [Charge(e if isinstance(e, NonPrivate) else SampledWithoutReplacement(self.n, self.B, e))
+                for e in events]
+
+
 class FullBatch(Sampler):
     """Every record at every step (no amplification)."""
 
@@ -115,4 +148,4 @@ class FullBatch(Sampler):
         return [Charge(e) for e in events]
 
 
-SAMPLERS = (PoissonSampler, ShuffleSampler, FullBatch)
+SAMPLERS = (PoissonSampler, UniformSampler, ShuffleSampler, FullBatch)
