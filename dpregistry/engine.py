@@ -152,9 +152,15 @@ class Run:
             try:
                 self.accountant.approve(plan)
             except BudgetExhausted:
-                eps = self.accountant.epsilon(extra=plan) if self.budget.delta else float("nan")
-                raise UserError(f"the planned run spends ε = {eps:.4g} (δ = {self.budget.delta:g}), more than "
-                                f"the budget ε = {self.budget.epsilon:g}; raise the noise, lower the steps or the "
+                if self.budget.epsilon is not None and self.budget.delta is not None:
+                    eps = self.accountant.epsilon(extra=plan)
+                    spends = (f"ε = {eps:.4g} (δ = {self.budget.delta:g}), more than the budget "
+                              f"ε = {self.budget.epsilon:g}")
+                else:  # a ρ (zCDP) budget alone: there is no δ to state an ε at
+                    rho_of = getattr(self.accountant, "rho_of", None)
+                    rho = f"ρ = {rho_of(self.accountant.ledger.grouped(plan)):.4g}, " if rho_of else ""
+                    spends = f"{rho}more than the budget ρ = {self.budget.rho:g}"
+                raise UserError(f"the planned run spends {spends}; raise the noise, lower the steps or the "
                                 f"sampling rate, or set privatizer.noise_multiplier: auto",
                                 file=self.recipe.source, key="privacy") from None
 
