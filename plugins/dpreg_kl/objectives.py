@@ -203,6 +203,7 @@ class TabularKL(LinearKLObjective):
     """Rows scaled to ‖a_i‖ ≤ 1 (a per-record transform) after public standardisation."""
 
     task = ""
+    _full_key = None
 
     def build(self, run):
         t = load_tabular(self.cfg.dataset, test_fraction=self.cfg.test_fraction, seed=self.cfg.seed,
@@ -217,6 +218,16 @@ class TabularKL(LinearKLObjective):
         self.d = self.x_train.shape[1]
         self._distinct = (torch.arange(self.n_train), torch.ones(self.n_train, dtype=dt))
         self._fstar = None
+
+    def rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, targets) of records ``keys``; the whole table without a gather when keys is
+        the full set in order (an indexed gather costs more than the model on a small table)."""
+        if keys is self._distinct[0] or keys is self._full_key:
+            return self.x_train, self.y_train
+        if len(keys) == self.n_train and torch.equal(keys, self._distinct[0]):
+            self._full_key = keys
+            return self.x_train, self.y_train
+        return self.x_train[keys], self.y_train[keys]
 
     def targets(self, y, table):
         raise NotImplementedError
@@ -267,12 +278,13 @@ class LeastSquares(TabularKL):
         return y.clamp(-Y, Y).to(DTYPES[self.cfg.dtype])
 
     def per_record_losses(self, w, keys):
-        r = self.x_train[keys] @ w - self.y_train[keys]
+        a, y = self.rows(keys)
+        r = a @ w - y
         return 0.5 * r * r + 0.5 * self.cfg.regularization * (w * w).sum()
 
     def per_record_grads(self, w, keys):
-        a = self.x_train[keys]
-        r = a @ w - self.y_train[keys]
+        a, y = self.rows(keys)
+        r = a @ w - y
         return r.unsqueeze(1) * a + self.cfg.regularization * w
 
     def hessian(self, w):
@@ -313,11 +325,12 @@ class Logistic(TabularKL):
         return (2.0 * y - 1.0).to(DTYPES[self.cfg.dtype])
 
     def per_record_losses(self, w, keys):
-        m = self.y_train[keys] * (self.x_train[keys] @ w)
+        a, y = self.rows(keys)
+        m = y * (a @ w)
         return torch.nn.functional.softplus(-m) + 0.5 * self.cfg.regularization * (w * w).sum()
 
     def per_record_grads(self, w, keys):
-        a, y = self.x_train[keys], self.y_train[keys]
+        a, y = self.rows(keys)
         s = torch.sigmoid(-y * (a @ w))
         return (-y * s).unsqueeze(1) * a + self.cfg.regularization * w
 

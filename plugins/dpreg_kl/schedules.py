@@ -88,7 +88,9 @@ class SpiderSchedule:
             math.log(F0) + kap * math.log(nsr / (g * L0 * math.sqrt(d))))
         self.K = max(0, math.ceil(self.K_raw))
         K = max(self.K, 1)
-        self.beta_prime = (self.beta / K) * (g * L0 * math.sqrt(K * d) / (nsr * F0 ** (1.0 / kap))) ** (2.0 - kap)
+        # β′ = β / (a bound on the number of steps); a run takes at least K steps, so β′ ≤ β/K (the
+        # formula exceeds that only where the theory is vacuous, and ln(1/β′) would turn negative).
+        self.beta_prime = (self.beta / K) * min(1.0, (g * L0 * math.sqrt(K * d) / (nsr * F0 ** (1.0 / kap))) ** (2.0 - kap))
         self.c_floor = 32.0 if self.calibration == "paper" else self._exact_c_floor()
         self.phi_floor = min((self.c_floor * g * L0 * math.sqrt(K * d * math.log(1.0 / self.beta_prime)) / nsr) ** kap, F0)
         k = np.arange(1, self.K + 1, dtype=np.float64)
