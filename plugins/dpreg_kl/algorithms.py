@@ -21,14 +21,16 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from dpregistry import Algorithm, BudgetExhausted, Charge, ClippedSum, StageParams, StepResult, UserError
+from dpregistry import Algorithm, BudgetExhausted, Charge, ClippedSum, StageParams, StepResult
 from dpregistry.privacy.conversions import epsilon_to_zcdp
 from dpregistry.privacy.events import Exponential
 from dpregistry.spaces import DENSE, GRADIENT, INCREMENT, DenseAggregate
 
 from .estimators import SpiderFullBatch
-from .privatizers import ScheduledGaussian, SpiderGaussian, declared
-from .schedules import AdaptiveConstants, ProximalSchedule, SpiderSchedule, exponential_log_weights, gaussian_cost, selection_epsilon
+from .common import declared, user_error
+from .privatizers import ScheduledGaussian, SpiderGaussian
+from .schedules import (AdaptiveConstants, ProximalSchedule, SpiderSchedule, exponential_log_weights, gaussian_cost,
+                        selection_epsilon)
 from .updates import NormalizedStep, ProxProjectedGD
 
 Auto = Literal["auto"]
@@ -47,14 +49,15 @@ def budget_rho(run) -> float:
         return b.rho
     if b.epsilon is not None and b.delta is not None:
         return epsilon_to_zcdp(b.epsilon, b.delta)
-    raise UserError("the KL algorithms need a budget: privacy.rho, or privacy.epsilon and privacy.delta",
-                    file=run.recipe.source, key="privacy")
+    raise user_error(run, "the KL algorithms need a budget: privacy.rho, or privacy.epsilon and privacy.delta",
+                     "privacy")
 
 
 def require_full_batch(run, alg: str) -> None:
     if run.sampler.name != "full_batch":
-        raise UserError(f"{alg} queries the full batch of n records (its σ's and sensitivities are for means "
-                        f"over all n, spec §0); use sampler: full_batch, not {run.sampler.name!r}", key="sampler")
+        raise user_error(run, f"{alg} queries the full batch of n records (its σ's and sensitivities are for "
+                              f"means over all n, spec §0); use sampler: full_batch, not {run.sampler.name!r}",
+                         "sampler")
 
 
 def resolve(run, value, key: str) -> float:
@@ -91,7 +94,8 @@ class KLParams(StageParams):
 
 class SpiderParams(KLParams):
     anchor_share: float | None = Field(
-        default=None, gt=0, le=1, description="θ, the anchors' share of ρ in exact mode (default: 1 at κ = 2, else 1/2)")
+        default=None, gt=0, le=1,
+        description="θ, the anchors' share of ρ in exact mode (default: 1 at κ = 2, else 1/2)")
 
 
 class KLSpider(Algorithm):
@@ -120,17 +124,17 @@ class KLSpider(Algorithm):
     def validate(self, run):
         require_full_batch(run, self.name)
         if not isinstance(run.privatizer, SpiderGaussian) or not isinstance(run.estimator, SpiderFullBatch):
-            raise UserError("kl_spider needs estimator spider_fullbatch and privatizer spider_gaussian (noise on "
-                            "each SPIDER query, the running estimate kept by the privatizer)", key="privatizer")
+            raise user_error(run, "kl_spider needs estimator spider_fullbatch and privatizer spider_gaussian (noise "
+                                  "on each SPIDER query, the running estimate kept by the privatizer)", "privatizer")
         if not isinstance(run.update_rule, NormalizedStep):
-            raise UserError("kl_spider precommits every charge; a difference query's sensitivity 2L1·r_k/n is fixed "
-                            "in advance only under normalised steps of length r_k (spec §4, coupling 3); use update: "
-                            f"normalized_step, not {run.update_rule.name!r}", key="update")
+            raise user_error(run, "kl_spider precommits every charge; a difference query's sensitivity 2L1·r_k/n is "
+                                  "fixed in advance only under normalised steps of length r_k (spec §4, coupling 3); "
+                                  f"use update: normalized_step, not {run.update_rule.name!r}", "update")
         cfg = self.cfg
         kappa = resolve(run, cfg.kappa, "kappa")
         if not 1.0 <= kappa <= 2.0:
-            raise UserError(f"kl_spider needs κ in [1, 2], got {kappa:g} (use kl_proximal_point for κ ≥ 2)",
-                            key="algorithm.kappa")
+            raise user_error(run, f"kl_spider needs κ in [1, 2], got {kappa:g} (use kl_proximal_point for κ ≥ 2)",
+                             "algorithm.kappa")
         priv = run.privatizer
         self.sched = SpiderSchedule(
             n=run.n_train, rho=budget_rho(run), d=n_params(run), beta=cfg.beta, f0=resolve(run, cfg.f0, "f0"),
@@ -138,8 +142,8 @@ class KLSpider(Algorithm):
             calibration=cfg.calibration, anchor_share=cfg.anchor_share, relation=run.relation)
         s = self.sched
         if cfg.calibration == "exact" and s.share >= 1 and s.K and int(s.max_differences.max()) > 0:
-            raise UserError("anchor_share = 1 leaves no budget for the difference queries this κ needs",
-                            key="algorithm.anchor_share")
+            raise user_error(run, "anchor_share = 1 leaves no budget for the difference queries this κ needs",
+                             "algorithm.anchor_share")
         if cfg.calibration == "paper":
             true = sum(s.planned_costs())
             if true > s.rho * (1 + 1e-12):
@@ -147,7 +151,7 @@ class KLSpider(Algorithm):
                        f"cost is {true / s.rho:.4g}ρ, not ρ (the paper's Δ = L0/n convention, spec §0.1 and "
                        "[AMBIG-5]); use calibration: exact")
                 if run.accountant.notion == "zcdp":
-                    raise UserError(msg, key="algorithm.calibration")
+                    raise user_error(run, msg, "algorithm.calibration")
                 warnings.warn(msg, stacklevel=2)
         if not s.K:
             self.finished = True  # K ≤ 0: return w0 with no spend (spec §1.1 [REC])
@@ -259,23 +263,23 @@ class KLProximalPoint(Algorithm):
     def validate(self, run):
         require_full_batch(run, self.name)
         if not isinstance(run.privatizer, ScheduledGaussian) or isinstance(run.privatizer, SpiderGaussian):
-            raise UserError("kl_proximal_point sets the noise per call: use privatizer scheduled_gaussian",
-                            key="privatizer")
+            raise user_error(run, "kl_proximal_point sets the noise per call: use privatizer scheduled_gaussian",
+                             "privatizer")
         if not isinstance(run.update_rule, ProxProjectedGD):
-            raise UserError("kl_proximal_point runs Alg. 4: use update prox_projected_gd", key="update")
+            raise user_error(run, "kl_proximal_point runs Alg. 4: use update prox_projected_gd", "update")
         if run.estimator.space != DENSE or run.estimator.contribution_kind != GRADIENT:
-            raise UserError("kl_proximal_point needs dense gradient estimates (estimator kl_fullbatch_grad)",
-                            key="estimator")
+            raise user_error(run, "kl_proximal_point needs dense gradient estimates (estimator kl_fullbatch_grad)",
+                             "estimator")
         cfg = self.cfg
         kappa = resolve(run, cfg.kappa, "kappa")
         if kappa < 2:
-            raise UserError(f"kl_proximal_point needs κ ≥ 2, got {kappa:g} (use kl_spider for κ ≤ 2)",
-                            key="algorithm.kappa")
+            raise user_error(run, f"kl_proximal_point needs κ ≥ 2, got {kappa:g} (use kl_spider for κ ≤ 2)",
+                             "algorithm.kappa")
         lt = resolve(run, cfg.weak_convexity, "weak_convexity")
         if not lt > 0:
-            raise UserError("the objective is convex, so any weak-convexity constant L̃1 > 0 is valid; "
-                            "give algorithm.weak_convexity (the strength of the proximal term)",
-                            key="algorithm.weak_convexity")
+            raise user_error(run, "the objective is convex, so any weak-convexity constant L̃1 > 0 is valid; "
+                                  "give algorithm.weak_convexity (the strength of the proximal term)",
+                             "algorithm.weak_convexity")
         self.sched = ProximalSchedule(
             n=run.n_train, rho=budget_rho(run), d=n_params(run), beta=cfg.beta, f0=resolve(run, cfg.f0, "f0"),
             gamma=resolve(run, cfg.gamma, "gamma"), kappa=kappa, lipschitz=run.privatizer.clip,
@@ -372,15 +376,17 @@ class AdaptiveNoisyGD(Algorithm):
     def validate(self, run):
         require_full_batch(run, self.name)
         if not isinstance(run.privatizer, ScheduledGaussian) or isinstance(run.privatizer, SpiderGaussian):
-            raise UserError("adaptive_noisy_gd sets σ_t per step: use privatizer scheduled_gaussian", key="privatizer")
+            raise user_error(run, "adaptive_noisy_gd sets σ_t per step: use privatizer scheduled_gaussian",
+                             "privatizer")
         if run.estimator.contribution_kind != GRADIENT:
-            raise UserError("adaptive_noisy_gd needs gradient estimates, not increments", key="estimator")
+            raise user_error(run, "adaptive_noisy_gd needs gradient estimates, not increments", "estimator")
         if self.cfg.select == "exponential" and run.estimator.space != DENSE:
-            raise UserError(
+            raise user_error(
+                run,
                 f"select: exponential scores each iterate by the exact norm of its clipped full-batch gradient "
                 f"(Theorem 5); estimator {run.estimator.name!r} yields {run.estimator.space} estimates, whose norm "
                 f"is not a gradient norm, so the selection would have no stationarity meaning; use select: last "
-                f"or a dense first-order estimator", key="algorithm.select")
+                f"or a dense first-order estimator", "algorithm.select")
         rho = budget_rho(run)
         self.rho_select = rho * self.cfg.selection_share if self.cfg.select == "exponential" else 0.0
         self.consts = AdaptiveConstants(n=run.n_train, rho=rho - self.rho_select, beta=self.cfg.beta,

@@ -30,7 +30,8 @@ class GroupedDenseContribution(DenseContribution):
         for k, g in self.per_example.items():
             shape = (-1,) + (1,) * (g.dim() - 1)
             # a row of weight 0 contributes exactly 0, even when it is not finite
-            out[k] = torch.where((w > 0).view(shape), g * w.to(g.dtype).view(shape), torch.zeros((), dtype=g.dtype)).sum(0)
+            keep = (w > 0).view(shape)
+            out[k] = torch.where(keep, g * w.to(g.dtype).view(shape), torch.zeros((), dtype=g.dtype)).sum(0)
         return DenseAggregate(out)
 
 

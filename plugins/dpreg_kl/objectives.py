@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-import numpy as np
 import torch
 from pydantic import Field
 

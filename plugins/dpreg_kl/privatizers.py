@@ -15,20 +15,12 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from dpregistry import Privatizer, Release, StageParams, UserError
+from dpregistry import Privatizer, Release, StageParams
 from dpregistry.clipping import clip_and_sum
 from dpregistry.privacy.events import Gaussian, clipped_sum_sensitivity
 from dpregistry.spaces import GRADIENT, INCREMENT, DenseAggregate
 
-
-def declared(run, key: str, what: str) -> float:
-    """A constant the objective declares (``kl_constants``), for ``auto`` settings."""
-    consts = getattr(run.objective, "kl_constants", None)
-    value = consts().get(key) if consts else None
-    if value is None:
-        raise UserError(f"{what}: auto needs an objective that declares its {key}; "
-                        f"objective {run.objective.name!r} does not, so give a number", key=what)
-    return float(value)
+from .common import declared, user_error
 
 
 class ScheduledParams(StageParams):
@@ -48,7 +40,7 @@ class ScheduledGaussian(Privatizer):
 
     def validate(self, run):
         if not (self.clip > 0 and math.isfinite(self.clip)):
-            raise UserError("clip must be positive and finite: it bounds the sensitivity", key="privatizer.clip")
+            raise user_error(run, "clip must be positive and finite: it bounds the sensitivity", "privatizer.clip")
 
     def sensitivity(self, clip: float | None = None) -> float:
         """L2 distance between neighbouring clipped sums (2C replace-one, C add/remove)."""
@@ -106,7 +98,7 @@ class SpiderGaussian(ScheduledGaussian):
     def validate(self, run):
         super().validate(run)
         if not (self.smoothness > 0 and math.isfinite(self.smoothness)):
-            raise UserError("smoothness must be positive and finite", key="privatizer.smoothness")
+            raise user_error(run, "smoothness must be positive and finite", "privatizer.smoothness")
 
     def increment_clip(self, step_bound: float) -> float:
         return self.smoothness * step_bound

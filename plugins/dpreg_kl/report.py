@@ -39,10 +39,15 @@ def cost_table(ledger_entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
-def format_table(rows: list[dict[str, Any]], budget: float | None = None) -> str:
+def format_table(rows: list[dict[str, Any]], budget: float | None = None, limit: int | None = None) -> str:
+    """The table as text; ``limit`` shows the first rows only (the total always covers all)."""
     lines = [f"{'query':<34} {'count':>8} {'ρ each':>11} {'ρ':>11}"]
-    for r in rows:
+    for r in rows[:limit]:
         lines.append(f"{r['query']:<34} {r['count']:>8} {r['rho_each']:>11.4g} {r['rho']:>11.4g}")
+    if limit is not None and len(rows) > limit:
+        rest = rows[limit:]
+        lines.append(f"{f'… {len(rest)} more':<34} {sum(r['count'] for r in rest):>8} {'':>11} "
+                     f"{sum(r['rho'] for r in rest):>11.4g}")
     total = sum(r["rho"] for r in rows)
     lines.append(f"{'total':<34} {sum(r['count'] for r in rows):>8} {'':>11} {total:>11.6g}"
                  + (f"  (budget {budget:g})" if budget is not None else ""))

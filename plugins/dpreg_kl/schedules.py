@@ -90,9 +90,11 @@ class SpiderSchedule:
         K = max(self.K, 1)
         # β′ = β / (a bound on the number of steps); a run takes at least K steps, so β′ ≤ β/K (the
         # formula exceeds that only where the theory is vacuous, and ln(1/β′) would turn negative).
-        self.beta_prime = (self.beta / K) * min(1.0, (g * L0 * math.sqrt(K * d) / (nsr * F0 ** (1.0 / kap))) ** (2.0 - kap))
+        ratio = g * L0 * math.sqrt(K * d) / (nsr * F0 ** (1.0 / kap))
+        self.beta_prime = (self.beta / K) * min(1.0, ratio ** (2.0 - kap))
         self.c_floor = 32.0 if self.calibration == "paper" else self._exact_c_floor()
-        self.phi_floor = min((self.c_floor * g * L0 * math.sqrt(K * d * math.log(1.0 / self.beta_prime)) / nsr) ** kap, F0)
+        noise = g * L0 * math.sqrt(K * d * math.log(1.0 / self.beta_prime)) / nsr
+        self.phi_floor = min((self.c_floor * noise) ** kap, F0)
         k = np.arange(1, self.K + 1, dtype=np.float64)
         self.phi = np.maximum(F0 * self.c ** (-k), self.phi_floor)
         # κ = 2 gives e = 0 and (F0/Φ̂)^0 = 1.0 exactly, so T_k = 1 without any fudge.
@@ -222,7 +224,8 @@ class ProximalSchedule:
         T = max(self.T, 1)
         self.rho_call = self.rho / T
         self.beta_call = self.beta / T
-        self.T_A_uncapped = max(1, math.ceil(self.n ** 2 * self.rho_call * math.log(2.0 / self.beta_call) ** 2 / self.d))
+        log_term = math.log(2.0 / self.beta_call) ** 2
+        self.T_A_uncapped = max(1, math.ceil(self.n ** 2 * self.rho_call * log_term / self.d))
         self.T_A = min(self.T_A_uncapped, self.max_inner_steps) if self.max_inner_steps else self.T_A_uncapped
         self.radius = L0 / (2.0 * Lt)
         queries = self.T_A - 1

@@ -46,13 +46,15 @@ class NormalizedStep(UpdateRule):
         if not (vn > 0 and math.isfinite(vn)):
             raise RuntimeError(f"cannot normalise a direction of norm {vn!r}")
         scale = r / vn
-        for attempt in range(8):
+        for attempt in range(64):
             new = {k: params[k] - (scale * v[k]).to(params[k].dtype) for k in params}
             moved = _norm(new[k] - params[k] for k in params)
             if moved <= r:
                 break
-            scale *= 1.0 - 4.0 * 2.0 ** -52 * (attempt + 1)
-        else:  # pragma: no cover - rounding never needs this many ulps
+            # rounding w_new to the grid around w can overshoot by ~‖w‖·2⁻⁵³: shrink by the overshoot
+            # and a margin that doubles until the step fits
+            scale *= min(r / moved, 1.0) * (1.0 - 2.0 ** (attempt - 52))
+        else:  # pragma: no cover
             raise RuntimeError("could not keep the step within its length")
         for k in params:
             params[k].copy_(new[k])
