@@ -52,11 +52,15 @@ def test_adaptive_charges_the_sigma_it_uses(tmp_path):
     rows, summary = traced(run)
     T = summary["step"]
     assert 5 < T <= n * math.sqrt(1.0) / 2
-    assert "budget" in summary["stopped"]
+    assert summary["stopped"] is None or "afford" in summary["stopped"]  # done after a clamped step, or refused
     events = ledger_events(run)
     sens = 2 * run.privatizer.clip  # replace-one, on the clipped sum
     for t, m in enumerate(rows):
-        assert m["sigma"] == c.sigma_t(m["noisy_norm"], 3)
+        if m["clamped"]:  # the last step: σ' spends exactly the rest of ρ, at most 2σ_t
+            assert t == T - 1 and c.sigma_t(m["noisy_norm"], 3) < m["sigma"] <= 2 * c.sigma_t(m["noisy_norm"], 3)
+            assert run.accountant.rho() == pytest.approx(1.0, rel=1e-8)
+        else:
+            assert m["sigma"] == c.sigma_t(m["noisy_norm"], 3)
         assert events[2 * t] == Gaussian(std=c.sigma_norm * n, sensitivity=sens)
         assert events[2 * t + 1] == Gaussian(std=m["sigma"] * n, sensitivity=sens)
     assert len(events) in (2 * T, 2 * T + 1)  # + a refused step's norm query, if that one fit
@@ -124,12 +128,13 @@ def test_zcdp_filter_never_exceeds_rho(costs, budget):
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10**6), n_per=st.integers(100, 1500), log_rho=st.floats(-2.0, 1.0),
        power=st.sampled_from([2.0, 4.0]), select=st.sampled_from(["last", "exponential"]),
-       floor=st.booleans(), relation=st.sampled_from(["replace_one", "add_remove"]))
-def test_adaptive_runs_never_exceed_rho(tmp_path, seed, n_per, log_rho, power, select, floor, relation):
+       floor=st.booleans(), clamp=st.booleans(), relation=st.sampled_from(["replace_one", "add_remove"]))
+def test_adaptive_runs_never_exceed_rho(tmp_path, seed, n_per, log_rho, power, select, floor, clamp, relation):
     rho = 10 ** log_rho
     run = make_run(agd_recipe(seed=seed, objective={"n": 3 * n_per, "power": power},
                               update={"name": "sgd", "lr": 0.5 if power == 2 else 1 / 6},
-                              algorithm={"name": "adaptive_noisy_gd", "select": select, "stop_on_floor": floor},
+                              algorithm={"name": "adaptive_noisy_gd", "select": select, "stop_on_floor": floor,
+                                         "clamp_last": clamp},
                               privacy={"rho": rho, "relation": relation}), tmp_path)
     summary = run.train()
     n = 3 * n_per
@@ -196,6 +201,7 @@ def test_mixed_zeroth_order_recipe(tmp_path):
     c = run.algorithm.consts
     assert summary["step"] > 10
     for m in rows:
-        assert m["sigma"] == c.sigma_t(m["noisy_norm"], 1)
+        if not m["clamped"]:
+            assert m["sigma"] == c.sigma_t(m["noisy_norm"], 1)
     assert run.accountant.rho() <= 1.0 * (1 + 1e-12)
     assert float(run.params["w"].abs().max()) > 0 and run.objective.excess_risk() < f_start

@@ -343,6 +343,9 @@ class AdaptiveParams(StageParams):
     selection_share: float = Field(default=1 / 3, gt=0, lt=1,
                                    description="share of ρ kept for the exponential mechanism (select: exponential)")
     stop_on_floor: bool = Field(default=False, description="stop after the first step whose σ_t is the floor σ_min")
+    clamp_last: bool = Field(
+        default=True, description="when the filter cannot afford σ_t, take one last step at the σ that spends exactly "
+                                  "the rest of ρ, if that is at most 2σ_t (spec §2 'clamp_last'); else stop")
 
 
 class AdaptiveNoisyGD(Algorithm):
@@ -408,11 +411,26 @@ class AdaptiveNoisyGD(Algorithm):
         return []  # adaptive: the filter guards the budget
 
     def _fits(self, run, event) -> bool:
-        """Whether ``event`` fits with the selection's share still reserved (select: exponential)."""
-        if self.cfg.select != "exponential":
-            return True  # run.charge is the filter's check
-        charges = run.sampler.account(run.step, [event], run) + [Charge(self.selection_event)]
+        """Whether the filter affords ``event`` (with the selection's share still reserved)."""
+        charges = run.sampler.account(run.step, [event], run)
+        if self.cfg.select == "exponential":
+            charges = charges + [Charge(self.selection_event)]
         return run.accountant.can_afford(charges)
+
+    def _clamped_sigma(self, run, sigma: float) -> float | None:
+        """The σ' whose cost Δ²/(2σ'²) is exactly the filter's remaining ρ (less the selection's
+        share), if σ' ≤ 2σ_t: one last, slightly noisier step instead of stopping with budget left.
+        σ' depends only on the ledger and N_t, so the filter argument is unchanged."""
+        acc = run.accountant
+        if not self.cfg.clamp_last or not (hasattr(acc, "budget_rho") and hasattr(acc, "rho")):
+            return None
+        remaining = acc.budget_rho() - acc.rho() - self.rho_select
+        if not remaining > 0:
+            return None
+        clamped = run.privatizer.sensitivity() / math.sqrt(2.0 * remaining) / run.n_train * (1 + 1e-9)
+        if clamped > 2.0 * sigma or not self._fits(run, run.privatizer.event(clamped * run.n_train)):
+            return None
+        return clamped
 
     def step(self, run):
         if self.phase == "select":
@@ -432,9 +450,13 @@ class AdaptiveNoisyGD(Algorithm):
         run.charge(r_norm.events)
         noisy_norm = float(r_norm.value.tensors["norm"])
         sigma = c.sigma_t(noisy_norm, dim)  # from N_t only, never from the exact norm
+        clamped = False
         if not self._fits(run, priv.event(sigma * n)):
-            run.undo_displacement()
-            return self._select(run)
+            last = self._clamped_sigma(run, sigma)
+            if last is None:
+                run.undo_displacement()
+                return self._select(run)
+            sigma, clamped = last, True
         release = priv.release(total, run, std=sigma * n)
         run.charge(release.events)
         run.update_rule.apply(run.params, release, run)
@@ -442,16 +464,16 @@ class AdaptiveNoisyGD(Algorithm):
         floor = sigma == c.sigma_min
         if self.cfg.select == "exponential":
             self.trajectory.append({k: v.detach().clone() for k, v in run.params.items()})
-        metrics = {"noisy_norm": noisy_norm, "sigma": sigma, "at_floor": float(floor),
+        metrics = {"noisy_norm": noisy_norm, "sigma": sigma, "at_floor": float(floor), "clamped": float(clamped),
                    "step_cost": c.step_cost(sigma), "clipped_fraction": total.clipped / max(total.count, 1)}
-        if floor and self.cfg.stop_on_floor:  # Lemma 11 made exact (spec §1.3 [REC])
+        if clamped or (floor and self.cfg.stop_on_floor):  # stop_on_floor: Lemma 11 made exact (spec §1.3)
             self.phase = "select" if self.cfg.select == "exponential" else "done"
         return StepResult(metrics, done=self.phase == "done")
 
     def _select(self, run):
         """Theorem 5: t* ∝ exp(−ε‖ḡ(w_t)‖/(2Δu)) over the released iterates, charged ε²/8."""
         if self.cfg.select != "exponential":
-            raise BudgetExhausted("the filter refuses the next step")
+            raise BudgetExhausted(f"the filter cannot afford step {run.step} (ρ left: less than its cost)")
         saved = {k: v.detach().clone() for k, v in run.params.items()}
         norms = []
         with torch.no_grad():
