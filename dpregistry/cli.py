@@ -396,9 +396,15 @@ def privacy_report(run_dir: Path,
     if as_json:
         print(json.dumps(rep, default=str, indent=2))
         return
+    if rep["epsilon"] is not None:
+        spent = (f"ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g}"
+                 + (f" (budget {rep['target_epsilon']:g})" if rep.get("target_epsilon") else ""))
+    else:  # a ρ (zCDP) budget without δ: there is no ε to state
+        rho = rep.get("rho")
+        spent = (f"ρ = {rho:.4g}" if rho is not None else "ρ not recorded") + (
+            f" (budget {rep['target_rho']:g})" if rep.get("target_rho") else "")
     console.print(f"accountant [bold]{rep['accountant']}[/] ({rep['notion']}, {rep['relation'].replace('_', '-')}), "
-                  f"ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g} after {rep['step']} steps"
-                  + (f" (budget {rep['target_epsilon']:g})" if rep.get("target_epsilon") else ""))
+                  f"{spent} after {rep['step']} steps")
     t = Table("steps", "count", "partition", "event")
     for e in rep["ledger"]:
         t.add_row(f"{e['first_step']}–{e['last_step']}", str(e["count"]), str(e["partition"] or "all"),

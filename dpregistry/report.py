@@ -74,6 +74,8 @@ def privacy_report(run_dir: Path) -> dict[str, Any]:
         "notion": summary.get("notion") or recipe["accountant"]["name"],
         "relation": recipe["privacy"]["relation"], "epsilon": eps, "delta": recipe["privacy"]["delta"],
         "target_epsilon": recipe["privacy"]["epsilon"], "ledger": ledger,
+        "rho": summary.get("rho") if summary.get("step") == meta["step"] else None,
+        "target_rho": recipe["privacy"].get("rho"),
         "epsilon_over_steps": [(r["step"], r["epsilon"]) for r in rows],
         "plot": str(plot) if plot else None,
     }

@@ -35,5 +35,5 @@ def test_recipe_runs_within_rho(path):
     total = sum(r["rho"] for r in rows)
     print(f"\n{path.stem}: {summary['step']} releases, metrics {summary['metrics']}")
     print(format_table(rows, rho, limit=5))
-    assert summary["step"] > 0 and "excess_risk" in summary["metrics"]
+    assert summary["step"] > 0 and "train_excess_risk" in summary["metrics"]
     assert total == pytest.approx(summary["rho"], rel=1e-12) and total <= rho * (1 + 1e-12)

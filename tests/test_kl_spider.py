@@ -63,6 +63,8 @@ def check_trajectory(run, rows, w0):
         v, grad = row["v"], obj.full_grad(w_query)
         err = float((v - grad - noise_sum).norm())
         assert err <= 1e-10 * float(max(v.norm(), grad.norm())), (step, err)
+        # Lemma 2's certificate (C5, w.p. ≥ 1 − β; exact mode's C_f keeps it): ‖v − ∇F‖ ≤ Φ̂_k^{1/κ}/(8γ)
+        assert float(noise_sum.norm()) <= s.phi[k] ** (1 / s.kappa) / (8 * s.gamma), step
         assert m["v_norm"] == pytest.approx(float(v.norm()), rel=1e-12)
         moved = float((row["w"] - w_query).norm())
         if m["moved"]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dpregistry import Estimator, StageParams, UserError
+from dpregistry import Estimator, UserError
 from dpregistry.spaces import DENSE, GRADIENT, INCREMENT, DenseAggregate, DenseContribution
 
 
@@ -76,10 +76,6 @@ class FullBatchGrad(Estimator):
         yield contribution(grads, losses, counts)
 
 
-class SpiderParams(StageParams):
-    pass
-
-
 class SpiderFullBatch(Estimator):
     """SPIDER (KL-Spider, Alg. 1): the anchor gradient after ``reset()``, then gradient differences.
 
@@ -96,7 +92,6 @@ class SpiderFullBatch(Estimator):
     name = "spider_fullbatch"
     space = DENSE
     contribution_kind = INCREMENT  # it yields increments (and a GRADIENT anchor after each reset)
-    Params = SpiderParams
 
     def setup(self, run):
         self.prev: dict[str, torch.Tensor] | None = None

@@ -16,20 +16,21 @@ import numpy as np
 MAX_N = 10_000_000  # above this n√ρ grows through ρ (every constant depends on n and ρ only via n√ρ)
 
 
-def split(n_sqrt_rho: float, dim: int = 5) -> tuple[int, float]:
-    """(n, ρ) with n√ρ = the target: n up to MAX_N (a multiple of dim) at ρ = 1, then ρ grows."""
-    n = int(min(n_sqrt_rho, MAX_N)) // dim * dim
+def split(n_sqrt_rho: float, dim: int = 5, n: int | None = None) -> tuple[int, float]:
+    """(n, ρ) with n√ρ = the target: n up to MAX_N (a multiple of dim) at ρ = 1, then ρ grows;
+    or the given n, with ρ = (target/n)²."""
+    n = (int(min(n_sqrt_rho, MAX_N)) if n is None else int(n)) // dim * dim
     return n, (n_sqrt_rho / n) ** 2
 
 
-def run_point(algorithm: str, *, power: float, n_sqrt_rho: float, seed: int, dim: int = 5,
+def run_point(algorithm: str, *, power: float, n_sqrt_rho: float, seed: int, dim: int = 5, n: int | None = None,
               algorithm_params: dict | None = None) -> dict[str, Any]:
     """One full run; returns its excess risk, releases and spent ρ."""
     from dpregistry.engine import Run
     from dpregistry.recipe import resolve
     from dpregistry.registry import get_registry
 
-    n, rho = split(n_sqrt_rho, dim)
+    n, rho = split(n_sqrt_rho, dim, n)
     smoothness = (power - 1.0)  # on the unit ball around w* (radius 1)
     data = {"seed": seed, "algorithm": {"name": algorithm, **(algorithm_params or {})},
             "objective": {"name": "kl_power", "dim": dim, "n": n, "power": power},
