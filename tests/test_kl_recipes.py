@@ -37,3 +37,42 @@ def test_recipe_runs_within_rho(path):
     print(format_table(rows, rho, limit=5))
     assert summary["step"] > 0 and "train_excess_risk" in summary["metrics"]
     assert total == pytest.approx(summary["rho"], rel=1e-12) and total <= rho * (1 + 1e-12)
+
+
+def test_set_overrides_a_string_algorithm():
+    """Core fix: ``--set algorithm.KEY=VALUE`` when the recipe names the algorithm as a string."""
+    from dpregistry import UserError
+    from dpregistry.recipe import load
+
+    recipe = load(RECIPES / "kl_adaptive_gd_diabetes.yaml", ["algorithm=adaptive_noisy_gd",
+                                                            "algorithm.stop_on_floor=true"])
+    assert recipe.data["algorithm"]["stop_on_floor"] is True
+    spider = load(RECIPES / "kl_spider_pl.yaml", ["algorithm.calibration=paper"])
+    assert spider.data["algorithm"]["calibration"] == "paper"
+    with pytest.raises(UserError, match="calibration: paper"):
+        make_run(RECIPES / "kl_spider_pl.yaml", sets=["algorithm.calibration=paper"])
+
+
+def test_rho_budget_refusal_and_report(tmp_path):
+    """Core fixes: a plan refused under a ρ-only budget names ρ (it raised a TypeError), and the
+    privacy report of a ρ-budget run states the ρ spent."""
+    from typer.testing import CliRunner
+
+    from dpregistry import UserError
+    from dpregistry.cli import app
+    from dpregistry.report import privacy_report
+
+    refused = {"algorithm": "dp_sgd", "objective": {"name": "quadratic", "dim": 3, "n": 500},
+               "sampler": {"name": "full_batch"}, "privatizer": {"clip": 1.0, "noise_multiplier": 0.5},
+               "accountant": "zcdp", "privacy": {"rho": 0.01}, "train": {"steps": 100}}
+    # replace-one: Δ = 2C, σ = 0.5C, so each step costs (2C)²/(2(0.5C)²) = 8
+    with pytest.raises(UserError, match=r"spends ρ = 800, more than the budget ρ = 0\.01"):
+        make_run(refused, tmp_path)
+    out = tmp_path / "run"
+    out.mkdir()
+    run = make_run(RECIPES / "kl_adaptive_gd_diabetes.yaml", out=out)
+    summary = run.train()
+    rep = privacy_report(out)
+    assert rep["rho"] == summary["rho"] and rep["target_rho"] == 1.0 and rep["epsilon"] is None
+    text = CliRunner().invoke(app, ["privacy", "report", str(out)]).output
+    assert f"ρ = {summary['rho']:.4g} (budget 1)" in text
