@@ -120,7 +120,7 @@ def plot(report, path):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, ax = plt.subplots(1, 2, figsize=(11, 5.4))
     for rep in report:
         a = ax[1] if rep["x"] == "rho" else ax[0]
         xs = np.array([r["rho"] if rep["x"] == "rho" else r["n_sqrt_rho"] for r in rep["rows"]])
@@ -134,7 +134,7 @@ def plot(report, path):
     for a in ax:
         a.set_ylabel("excess empirical risk (median; dots: seeds)")
         a.grid(alpha=0.3, which="both")
-        a.legend(fontsize=6.5, loc="upper right")
+        a.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     fig.suptitle("KL plugin: excess risk rates (spec 004 §5 D)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

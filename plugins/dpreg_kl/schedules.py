@@ -38,9 +38,12 @@ class SpiderSchedule:
 
     ``calibration = "paper"`` uses the printed σ formulas and C_f = 32; the true replace-one cost
     of that run is up to 2.125ρ (spec §1.1 "Exact replace-one costs", [AMBIG-5]).
-    ``calibration = "exact"`` splits ρ between the anchors (share θ) and the difference queries
-    actually issued, sets each σ from its true sensitivity, and raises C_f to 16(a + b) so that
-    Lemma 2 still holds (spec §1.1 "calibration: exact"); the planned total is then ≤ ρ.
+    ``calibration = "exact"`` splits ρ between the anchors (share θ) and the difference queries,
+    sets each σ from its true sensitivity, and sets C_f = 16(a + b), a and b the σ's relative to the
+    paper's, so that Lemma 2 still holds (spec §1.1 "calibration: exact"); the planned total is ≤ ρ.
+    The spec splits (1 − θ)ρ/K over T_k queries per round; only T_k − 1 are ever issued (below), so
+    each gets (1 − θ)ρ/(K(T_k − 1)), which only lowers b. At κ = 2 no round issues a difference
+    query and θ = 1: all of ρ goes to the anchors.
 
     Round k issues one anchor and at most T_k − 1 difference queries: the last difference query
     of a round that runs its T_k steps is never used, so it is not issued (spec §1.1 [REC]).
