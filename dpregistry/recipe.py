@@ -169,7 +169,7 @@ def _apply_set(data: dict, locs: dict, assignment: str) -> None:
     node = data
     for i, p in enumerate(parts[:-1]):
         cur = node.get(p)
-        if isinstance(cur, str) and i == 0 and p in SECTIONS:
+        if isinstance(cur, str) and i == 0 and (p in SECTIONS or p == "algorithm"):
             cur = node[p] = {"name": cur}
         elif cur is None:
             cur = node[p] = {}
