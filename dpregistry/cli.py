@@ -36,14 +36,10 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a r
 
 
 def _quiet_libraries() -> None:
+    """Keep library chatter out of the output (read by transformers when it is first imported)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    except ImportError:
-        pass
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def say_error(msg: str) -> None:
@@ -199,7 +195,8 @@ def _print_summary(summary: dict, out: Path | None) -> None:
         t.add_row("noise multiplier", f"{summary['noise_multiplier']:.4g}")
     t.add_row("steps", str(summary["step"]))
     for k, v in (summary.get("metrics") or {}).items():
-        t.add_row(f"held-out {k}", f"{v:.4f}" if isinstance(v, float) else str(v))
+        label = k.replace("_", " ") if k.startswith("train") else f"held-out {k}"
+        t.add_row(label, f"{v:.4f}" if isinstance(v, float) else str(v))
     t.add_row("wall time", f"{summary['wall_seconds']:.1f} s")
     if summary.get("stopped"):
         t.add_row("stopped", summary["stopped"])

@@ -483,9 +483,9 @@ class PldAccountant(Accountant):
 def zcdp_rho(ev: PrivacyEvent) -> float:
     """ρ of one event. Subsampling is not amplified in zCDP (a valid, conservative charge)."""
     if isinstance(ev, TreeAggregation):
-        return math.inf if ev.std == 0 else ev.sensitivity ** 2 * ev.nodes_per_record / (2 * ev.std ** 2)
+        return math.inf if ev.std == 0 else (ev.sensitivity / ev.std) ** 2 * ev.nodes_per_record / 2
     if isinstance(ev, Gaussian):
-        return math.inf if ev.std == 0 else ev.sensitivity ** 2 / (2 * ev.std ** 2)
+        return math.inf if ev.std == 0 else (ev.sensitivity / ev.std) ** 2 / 2  # no overflow for huge σ
     if isinstance(ev, (PoissonSampled, SampledWithoutReplacement)):
         return zcdp_rho(ev.event)
     if isinstance(ev, ZCDP):
