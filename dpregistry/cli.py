@@ -189,7 +189,8 @@ def _print_summary(summary: dict, out: Path | None) -> None:
         t.add_row("privacy", f"ε = {eps:.4g}{budget} at δ = {summary.get('delta'):g} "
                              f"({summary['accountant']}, {summary['relation'].replace('_', '-')})")
     if summary.get("rho") is not None:
-        t.add_row("zCDP", f"ρ = {summary['rho']:.4g} of {summary.get('target_rho'):.4g}")
+        target = summary.get("target_rho")
+        t.add_row("zCDP", f"ρ = {summary['rho']:.4g}" + (f" of {target:.4g}" if target is not None else ""))
     if summary.get("noise_multiplier") is not None:
         t.add_row("noise multiplier", f"{summary['noise_multiplier']:.4g}")
     t.add_row("steps", str(summary["step"]))
