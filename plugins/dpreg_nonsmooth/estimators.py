@@ -29,7 +29,7 @@ from pydantic import Field
 from dpregistry import Estimator, StageParams, UserError
 from dpregistry.spaces import DENSE, GRADIENT, INCREMENT, DenseContribution
 
-from .points import FlatView, PointQuery, ball, slot_generator, sphere
+from .points import FlatView, PointQuery, ball, sphere, step_generator
 
 #: elements (slots × directions × d) per batched loss query
 CHUNK_ELEMS = 1 << 21
@@ -156,14 +156,17 @@ class OracleEstimator(Estimator):
     # -- helpers ---------------------------------------------------------------------------------
 
     def _slot_chunks(self, n_slots: int, per_slot: int):
+        """Consecutive slot ranges; their bounds depend only on the batch size, m and d (public)."""
         size = max(1, CHUNK_ELEMS // max(per_slot, 1))
         for s in range(0, n_slots, size):
             yield slice(s, min(n_slots, s + size))
 
-    def _dirs(self, run, slots: range, m: int, side: int, dtype) -> torch.Tensor:
-        """[len(slots), m, d] unit-sphere directions of each slot (public, data-independent)."""
-        return torch.stack([sphere(slot_generator(run, self.purpose, run.step, s, side), m, self.d, dtype)
-                            for s in slots])
+    def _generator(self, run, side: int) -> torch.Generator:
+        return step_generator(run, self.purpose, run.step, side)
+
+    def _dirs(self, g: torch.Generator, sl: slice, m: int, dtype) -> torch.Tensor:
+        """[slots, m, d] unit-sphere directions, drawn slot after slot from the step's generator."""
+        return sphere(g, (sl.stop - sl.start) * m, self.d, dtype).view(-1, m, self.d)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,8 +234,9 @@ class ZOSphere(OracleEstimator):
         cap = 2 * self.cfg.lipschitz * a
         out = x.new_zeros(B, d)
         loss = x.new_zeros(B)
+        g = self._generator(run, side)
         for sl in self._slot_chunks(B, 2 * m * d):
-            U = self._dirs(run, range(sl.start, sl.stop), m, side, x.dtype)      # [b, m, d]
+            U = self._dirs(g, sl, m, x.dtype)                                    # [b, m, d]
             pts = torch.cat([x + a * U, x - a * U], dim=1)                       # [b, 2m, d]
             f = self.query.losses(pts.reshape(-1, d), indices[sl].repeat_interleave(2 * m)).view(-1, 2 * m)
             diff = f[:, :m] - f[:, m:]
@@ -254,8 +258,9 @@ class ZOSphere(OracleEstimator):
         cap = self.cfg.lipschitz * float(torch.linalg.vector_norm(x - y))
         out = x.new_zeros(B, d)
         loss = x.new_zeros(B)
+        g = self._generator(run, 0)
         for sl in self._slot_chunks(B, 2 * m * d):
-            U = self._dirs(run, range(sl.start, sl.stop), m, 0, x.dtype)
+            U = self._dirs(g, sl, m, x.dtype)
             pts = torch.cat([x + a * U, y + a * U], dim=1)  # the SAME u at both points (spec 001 Alg. 2)
             f = self.query.losses(pts.reshape(-1, d), indices[sl].repeat_interleave(2 * m)).view(-1, 2 * m)
             diff = f[:, :m] - f[:, m:]
@@ -331,9 +336,9 @@ class FOBall(OracleEstimator):
         B, d, a = len(indices), self.d, self.cfg.smooth_radius
         out = x.new_zeros(B, d)
         loss = x.new_zeros(B)
+        g = self._generator(run, side)
         for sl in self._slot_chunks(B, m * d):
-            Y = torch.stack([ball(slot_generator(run, self.purpose, run.step, s, side), m, d, a, x.dtype)
-                             for s in range(sl.start, sl.stop)])                       # [b, m, d]
+            Y = ball(g, (sl.stop - sl.start) * m, d, a, x.dtype).view(-1, m, d)         # [b, m, d]
             pts = (x + Y).reshape(-1, d)
             idx = indices[sl].repeat_interleave(m)
             out[sl] = self.query.grads(pts, idx).view(-1, m, d).mean(1)

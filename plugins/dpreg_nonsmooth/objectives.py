@@ -96,7 +96,7 @@ class _Base(StageParams):
 
 
 class L1Params(_Base):
-    noise_std: float = Field(default=0.3, gt=0, description="z ~ N(μ, s²I), μ = linspace(−1, 1, d)")
+    noise_std: float = Field(default=0.3, ge=0, description="z ~ N(μ, s²I), μ = linspace(−1, 1, d)")
     init: float = Field(default=3.0, description="x₀ = init·1")
 
 
@@ -126,11 +126,15 @@ class L1Distance(PointObjective):
         return torch.sign(points - self.z[indices]) / math.sqrt(self.dim)
 
     def population_grad(self, points):
+        if self.cfg.noise_std == 0:
+            return (torch.sign(points.double() - self.mu) / math.sqrt(self.dim)).to(points.dtype)
         a = (points.double() - self.mu) / self.cfg.noise_std
         return ((2 * _norm_cdf(a) - 1) / math.sqrt(self.dim)).to(points.dtype)
 
     def population_loss(self, x):
         s = self.cfg.noise_std
+        if s == 0:
+            return float((x.double() - self.mu).abs().sum() / math.sqrt(self.dim))
         a = (x.double() - self.mu) / s
         phi = torch.exp(-a * a / 2) / math.sqrt(2 * math.pi)
         return float((s * (2 * phi + a * (2 * _norm_cdf(a) - 1))).sum() / math.sqrt(self.dim))
@@ -145,7 +149,7 @@ class L1Distance(PointObjective):
 
 
 class RingParams(_Base):
-    radius: float = Field(default=1.0, gt=0, description="r")
+    radius: float = Field(default=1.0, ge=0, description="r (0: the norm ‖x − z‖)")
     noise: Literal["shift", "linear"] = Field(
         default="shift", description="shift: |‖x − z‖ − r|, z ~ N(0, s²I) (L = 1); "
                                      "linear: |‖x‖ − r| + <ξ, x>, ξ uniform on the sphere of radius s (L = 1 + s)")

@@ -71,13 +71,15 @@ def ball(g: torch.Generator, n: int, d: int, radius: float, dtype=torch.float64)
     return (radius * r.pow(1.0 / d).unsqueeze(1) * u).to(dtype)
 
 
-def slot_generator(run, purpose: str, step: int, slot: int, side: int) -> torch.Generator:
-    """Public randomness of one batch slot: a function of (seed, purpose, step, slot, side) only.
+def step_generator(run, purpose: str, step: int, side: int) -> torch.Generator:
+    """Public randomness of one step's directions: a function of (seed, purpose, step, side) only.
 
-    A slot's directions never depend on which record fills it, so two neighbouring data sets see
-    the same directions in every slot ("coupled randomness", spec 002 §2.2).
+    Directions are drawn slot after slot in a fixed order and in chunks that depend only on the
+    batch size, m and d, so a slot's directions never depend on which record fills it: two
+    neighbouring data sets see the same directions in every slot ("coupled randomness",
+    spec 002 §2.2).
     """
-    return run.rng.generator(purpose, step, slot, side)
+    return run.rng.generator(purpose, step, side)
 
 
 class PointQuery:
