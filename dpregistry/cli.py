@@ -397,8 +397,9 @@ def privacy_report(run_dir: Path,
     if as_json:
         print(json.dumps(rep, default=str, indent=2))
         return
+    spent = f"ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g}" if rep.get("epsilon") is not None else "no δ set"
     console.print(f"accountant [bold]{rep['accountant']}[/] ({rep['notion']}, {rep['relation'].replace('_', '-')}), "
-                  f"ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g} after {rep['step']} steps"
+                  f"{spent} after {rep['step']} steps"
                   + (f" (budget {rep['target_epsilon']:g})" if rep.get("target_epsilon") else ""))
     t = Table("steps", "count", "partition", "event")
     for e in rep["ledger"]:

@@ -47,6 +47,9 @@ def privacy_report(run_dir: Path) -> dict[str, Any]:
     _, meta, _ = found
     recipe = meta["recipe"]
     ledger = meta.get("ledger", [])
+    from .registry import get_registry
+
+    get_registry()  # plugins may define their own event types; loading them registers the types
     for e in ledger:
         e["describe"] = PrivacyEvent.from_dict(e["event"]).describe()
     rows = [r for r in read_metrics(run_dir) if r.get("epsilon") is not None]

@@ -70,7 +70,8 @@ class KLTSinglePass(O2NCAlgorithm):
         upd = run.update_rule
         T0 = max(1, min(run.recipe.train.steps, n // 2))  # T = Θ(n): about two records per step
         D = cfg(upd, "radius", "auto")
-        D = theory_radius(self.cfg.init_gap, alpha, L, T0, d, eps) if is_auto(D) else float(D)
+        # M = α/(4D) must be ≥ 1, so an auto D is at most α/4 (short runs; spec 002 [AMBIG-13])
+        D = min(theory_radius(self.cfg.init_gap, alpha, L, T0, d, eps), alpha / 4) if is_auto(D) else float(D)
         P = _int_or(self.cfg.vr_period, None) or theory_period(alpha, eps, D, d)
         M = _int_or(cfg(upd, "window", "auto"), None) or theory_window(alpha, D)
         b1, b2, single = self.batches(run, P, 1)

@@ -80,7 +80,7 @@ class BoundedPrivatizer(Privatizer):
         r_f, g_f = est.public_bound(True, 0.0)
         out = {"fresh": 2 * r_f / s.batch_first, "gamma_fresh": g_f, "vr": 0.0, "gamma_vr": 0.0}
         if s.period > 1 and est.contribution_kind == INCREMENT:
-            r_v, g_v = est.public_bound(False, 2 * s.radius)
+            r_v, g_v = est.public_bound(False, est.max_gap)
             out.update(vr=2 * r_v / s.batch_rest, gamma_vr=g_v)
         return out
 
