@@ -39,6 +39,8 @@ def _int_or(v, default):
 class KLTParams(StageParams):
     init_gap: float = Field(default=1.0, gt=0, description="Φ ≥ F(x₀) − inf F (sets D when auto)")
     vr_period: int | Literal["auto"] = Field(default="auto", description="Σ (auto: Thm 3.1/6.1)")
+    max_dirs: int = Field(default=1_000_000, gt=0,
+                          description="refuse a theorem m above this (set dirs_per_sample and privacy_mode: clip)")
 
 
 class KLTSinglePass(O2NCAlgorithm):
@@ -76,7 +78,8 @@ class KLTSinglePass(O2NCAlgorithm):
         M = _int_or(cfg(upd, "window", "auto"), None) or theory_window(alpha, D)
         b1, b2, single = self.batches(run, P, 1)
         steps = self.steps_for(run, P, b1, b2, single)
-        gamma = run.budget.delta / 2 if run.budget.delta else 0.0  # δ_fail auto: half of δ
+        # δ_fail auto: half of δ for the pair of differing records, i.e. γ = δ/4 per record
+        gamma = run.budget.delta / 4 if run.budget.delta else 0.0
         restart = cfg(upd, "restart_every", "never")
         restart = None if restart in ("never", "auto") else int(restart)
         dirs = None
@@ -86,6 +89,11 @@ class KLTSinglePass(O2NCAlgorithm):
                 raise UserError("dirs_per_sample: theory needs a failure probability (privacy.delta or "
                                 "estimator.delta_fail > 0)", key="estimator.dirs_per_sample")
             dirs = (theory_dirs_fo if self.first_order else theory_dirs_zo)(d, alpha, D, g)
+            if dirs > self.cfg.max_dirs:
+                raise UserError(f"the theorem's m = {dirs:,} directions per record (d = {d}, α/D = {alpha / D:.0f}) "
+                                f"exceeds max_dirs = {self.cfg.max_dirs:,}; set estimator.dirs_per_sample to a "
+                                "practical m with privacy_mode: clip (deterministic sensitivity)",
+                                key="estimator.dirs_per_sample")
         return Settings(dim=d, n=n, period=P, batch_first=b1, batch_rest=b2, radius=D, window=M,
                         restart_every=restart, total_steps=steps, single_pass=single, smooth_radius=alpha,
                         lipschitz=L, dirs=dirs, delta_fail=gamma, extra={"epsilon": eps, "T0": T0})
@@ -145,7 +153,7 @@ class KLTMultiPass(O2NCAlgorithm):
             raise UserError(f"algorithm {self.name!r} reads every record at every step (sampler: full_batch)",
                             key="sampler")
         steps = min(run.recipe.train.steps, T_t)  # Thm 4.1's T, capped by train.steps
-        gamma = run.budget.delta / (2 * steps) if run.budget.delta else 0.0  # union bound over T uses
+        gamma = run.budget.delta / (4 * steps) if run.budget.delta else 0.0  # half of δ over T uses, 2 records
         restart = cfg(upd, "restart_every", "never")
         restart = None if restart in ("never", "auto") else int(restart)
         return Settings(dim=d, n=n, period=P, batch_first=b1, batch_rest=b2, radius=D, window=M,

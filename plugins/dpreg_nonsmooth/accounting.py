@@ -1,9 +1,10 @@
 """Charges whose sensitivity holds only with high probability, and the accountant that adds δ_fail.
 
 KLT's sensitivities (spec 002 §2.2) hold on a concentration event of the mechanism's own
-direction draws: with probability ≥ 1 − γ the m-direction average of the differing record is
-within r_m of its mean. Conditioned on that event the release is ρ-zCDP; unconditionally it is
-(ε(ρ, δ'), δ' + γ)-DP (spec 002 §2.5: δ_total = δ_mech + δ_fail). ``ConcentrationFailure(γ)``
+direction draws: with probability ≥ 1 − γ the m-direction average of a record is within r_m of
+its mean. The directions are shared by neighbouring data sets, so conditioned on them holding for
+the differing record of both (probability ≥ 1 − 2γ) the release is ρ-zCDP, and unconditionally
+it is (ε(ρ, δ'), δ' + 2γ)-DP (spec 002 §2.5: δ_total = δ_mech + δ_fail, with δ_fail = 2γ). ``ConcentrationFailure(γ)``
 records γ in the ledger next to the Gaussian/tree events it qualifies; ``zcdp_fail`` composes the
 zCDP part in closed form, sums the γ's a record is exposed to (union bound) and reports ε at
 δ − Σγ. Accountants that do not know this event refuse it, so a paper-mode run can never be
