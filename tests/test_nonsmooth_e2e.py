@@ -108,3 +108,42 @@ def test_every_recipe_runs(tmp_path, path: Path):
     assert summary["step"] == 12 and summary["stopped"] is None
     eps = run.accountant.epsilon() if run.budget.delta else None
     assert eps is None or math.isfinite(eps)
+
+
+def test_klt_single_pass_reaches_the_minimum_of_the_norm(tmp_path):
+    """Spec 002 §7.16: F(x) = ‖x‖ (f = ‖x‖ + <ξ, x>, ξ on the 0.3-sphere), Alg. 3 with d = 5, α = 0.1,
+    D = 0.01, M = 2, T = 2000, Σ = B1 = 16, B2 = 1, m = 20, tree σ ∈ {0, 0.05}, x₀ = 1: ‖x_out‖ falls
+    from 2.24 to about 0.1, so the exact Goldstein norm G_{2α}(x_out) is 0."""
+    for sigma in (0.0, 0.05):
+        rec = recipe({"name": "klt_sp_zo", "vr_period": 16},
+                     {"name": "ring", "dim": 5, "n": 4200, "radius": 0.0, "noise": "linear", "noise_std": 0.3,
+                      "init_radius": math.sqrt(5)},
+                     estimator={"smooth_radius": 0.1, "lipschitz": 1.3, "dirs_per_sample": 20, "delta_fail": 0.0},
+                     privatizer={"noise_multiplier": 1.0}, update={"radius": 0.01, "window": 2, "lr": 0.01},
+                     train={"steps": 2000, "log_every": 1000})
+        run = make_run(rec, tmp_path)
+        run.privatizer.set_noise_multiplier(sigma / run.privatizer.element_sensitivity(run))
+        run.train()
+        out = run.params["x"]
+        assert float(out.norm()) < 0.2
+        assert run.objective.goldstein_norm(out, 0.2) == 0.0
+
+
+def test_klt_multi_pass_erm_ring_is_mostly_stationary(tmp_path):
+    """Spec 002 §7.17: ERM ring (n = 200, d = 5, α = 0.1, D = 0.002, M = 12, T = 3000, Σ = 8, m = 5,
+    x₀ on the radius-3 sphere), Alg. 4 without noise: the fraction of (2α)-stationary windows is at least
+    1 − (‖x₀‖ − 1)/(DT) − 0.1, and the final iterate is within 2α of the unit sphere."""
+    rec = recipe({"name": "klt_mp_zo_erm", "vr_period": 8, "stat_tol": 0.01},
+                 {"name": "ring", "dim": 5, "n": 200, "noise": "linear", "noise_std": 0.3, "init_radius": 3.0},
+                 estimator={"smooth_radius": 0.1, "lipschitz": 1.3, "dirs_per_sample": 5},
+                 privatizer={"noise_multiplier": 0.0},
+                 update={"radius": 0.002, "window": 12, "lr": 0.002, "record_points": "all"},
+                 train={"steps": 3000, "log_every": 1000})
+    run = make_run(rec, tmp_path)
+    assert run.algorithm.settings.total_steps == 3000
+    run.train()
+    traj = run.update_rule.trajectory()
+    means = traj[: (len(traj) // 12) * 12].view(-1, 12, 5).mean(1)
+    stationary = sum(run.objective.goldstein_norm(m, 0.2) == 0.0 for m in means) / len(means)
+    assert stationary >= 1 - (3 - 1) / (0.002 * 3000) - 0.1
+    assert abs(float(run.update_rule.x.norm()) - 1) <= 0.2
