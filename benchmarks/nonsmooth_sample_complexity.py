@@ -208,7 +208,7 @@ def main(argv=None):
         lo, hi = ds[0], ds[-1]
         grow_fo = ratios[hi][0] / ratios[lo][0]
         grow_zo = ratios[hi][1] / ratios[lo][1]
-        log(f"\n## The √d claim (KLT Table 1: √d/(αβ³) + d/(εαβ²) versus ZTC's d/(αβ³) + d^1.5/(εαβ²))")
+        log("\n## The √d claim (KLT Table 1: √d/(αβ³) + d/(εαβ²) versus ZTC's d/(αβ³) + d^1.5/(εαβ²))")
         log(f"From d = {lo} to d = {hi} the theory predicts the ZTC÷KLT certificate ratio to grow by about "
             f"(d_hi/d_lo)^(1/6..1/4) = {(hi / lo) ** (1 / 6):.2f}..{(hi / lo) ** 0.25:.2f} (β ∝ n^(−1/3) or n^(−1/2)).")
         log(f"Measured growth: first order {grow_fo:.2f}×, zeroth order {grow_zo:.2f}× "

@@ -14,12 +14,14 @@ The algorithms (presets) live in the two paper plugins, ``dpreg_ztc`` and ``dpre
 
 from dpregistry import hookimpl
 
-from .accounting import ACCOUNTANTS, ConcentrationFailure  # noqa: F401  (registers the event type)
+from .accounting import ACCOUNTANTS, ConcentrationFailure  # importing registers the event type
 from .estimators import ESTIMATORS
 from .objectives import OBJECTIVES
 from .privatizers import PRIVATIZERS
 from .samplers import SAMPLERS
 from .update import UPDATE_RULES
+
+__all__ = ["ConcentrationFailure"]
 
 
 @hookimpl

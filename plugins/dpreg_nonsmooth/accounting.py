@@ -18,8 +18,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pydantic import Field
-
 from dpregistry import Accountant, StageParams, UserError
 from dpregistry.privacy.conversions import epsilon_to_zcdp, zcdp_to_delta, zcdp_to_epsilon
 from dpregistry.privacy.events import (Composed, Gaussian, NonPrivate, PrivacyEvent, SelfComposed,

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dpregistry import Algorithm, UserError
+from dpregistry.spaces import INCREMENT
 from dpregistry.stages import compress
 
 from .points import FlatView
@@ -162,8 +163,6 @@ class O2NCAlgorithm(Algorithm):
         s = self.settings
         est = run.estimator
         v_f = est.variance(True, 0.0)
-        from dpregistry.spaces import INCREMENT
-
         vr = s.period > 1 and est.contribution_kind == INCREMENT  # errors add up over a period's increments
         v_v = est.variance(False, 2 * s.radius) if vr else 0.0
         noise = run.privatizer.noise_second_moment(run)

@@ -16,6 +16,8 @@ from pydantic import Field
 
 from dpregistry import Charge, Sampler, StageParams, UserError
 
+from .algorithm import consumption
+
 
 class SinglePassParams(StageParams):
     batch_first: int | Literal["auto"] = Field(default="auto", description="B1 at each period start (auto: the theorem's)")
@@ -45,8 +47,6 @@ class SinglePass(Sampler):
         for key, v in (("batch_first", s.batch_first), ("batch_rest", s.batch_rest)):
             if v < 1:
                 raise UserError(f"{key} must be at least 1, got {v}", key=f"sampler.{key}")
-        from .algorithm import consumption
-
         need = consumption(s.total_steps, s.period, s.batch_first, s.batch_rest)
         if need > self.n:  # cannot happen when the algorithm caps the steps; kept as a guard
             raise UserError(f"{s.total_steps} single-pass steps need {need} records, the data has {self.n}",
