@@ -192,3 +192,18 @@ def test_privacy_report_shows_the_tree_charges(tmp_path):
     assert data["epsilon"] <= 2.0
     text = cli.invoke(app, ["privacy", "report", str(out)])
     assert text.exit_code == 0 and "tree(" in text.output and "δ_fail" in text.output
+
+
+def test_prop25_calibration_fits_the_exact_accounting(tmp_path):
+    """KLT Prop. 2.5's σ = 4s·sqrt(log2 Σ·ln(1/δ))/ε (δ net of δ_fail) is accepted only because the exact
+    plan fits; at Σ = 1 it gives σ = 0 (log2 1 = 0) and the run is refused (spec 002 [AMBIG-6])."""
+    rec = recipe({"name": "klt_sp_zo", "vr_period": 16}, {"name": "l1_distance", "dim": 2, "n": 3000},
+                 estimator={"dirs_per_sample": 8, "delta_fail": 0.0}, privatizer={"calibration": "klt_prop25"},
+                 privacy={"epsilon": 1.0, "delta": 1e-5}, train={"steps": 64})
+    run = make_run(rec, tmp_path)
+    assert run.privatizer.noise_multiplier == pytest.approx(27.14, abs=0.01)  # spec 002 §7.13 at s = 1
+    plan = run.algorithm.plan(run, run.privatizer.noise_multiplier)
+    assert run.accountant.fits(plan) and run.accountant.epsilon(extra=plan) < 1.0
+    rec["algorithm"]["vr_period"] = 1
+    with pytest.raises(UserError, match="budget"):
+        make_run(rec, tmp_path)
