@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -192,6 +194,26 @@ def test_privacy_report_shows_the_tree_charges(tmp_path):
     assert data["epsilon"] <= 2.0
     text = cli.invoke(app, ["privacy", "report", str(out)])
     assert text.exit_code == 0 and "tree(" in text.output and "δ_fail" in text.output
+    # a fresh process: the plugin's event type must be registered before the ledger is read
+    proc = subprocess.run([sys.executable, "-m", "dpregistry", "privacy", "report", str(out), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["ledger"][1]["event"]["type"] == "concentration_failure"
+
+
+def test_a_run_without_budget_is_recorded_not_refused(tmp_path):
+    """Core: with no privacy section (σ = 0) every charge is recorded in the ledger and the run ends."""
+    from dpregistry.cli import app
+
+    path = write_recipe(tmp_path, recipe({"name": "ztc_o2nc_tree", "episode_len": 4},
+                                         {"name": "l1_distance", "dim": 2, "n": 80},
+                                         privatizer={"noise_multiplier": 0.0}))
+    res = CliRunner().invoke(app, ["run", str(path), "--out", str(tmp_path / "np"), "-q"])
+    assert res.exit_code == 0, res.output
+    assert "ρ = inf" in res.output
+    run = make_run(path)
+    run.train()
+    assert run.step == 40 and len(run.accountant.ledger.entries) == 10 and run.accountant.rho() == math.inf
 
 
 def test_prop25_calibration_fits_the_exact_accounting(tmp_path):
