@@ -229,3 +229,17 @@ def test_prop25_calibration_fits_the_exact_accounting(tmp_path):
     rec["algorithm"]["vr_period"] = 1
     with pytest.raises(UserError, match="budget"):
         make_run(rec, tmp_path)
+
+
+def test_multi_pass_first_order_preset_composes_every_step(tmp_path):
+    """`klt_mp_fo_erm` (spec 002 §1.6, no theorem): full batch, i.i.d. prefix noise, one Gaussian charge
+    per step over all records (sequential composition), fresh sensitivity 2L/n."""
+    run = make_run(recipe({"name": "klt_mp_fo_erm", "vr_period": 4, "stat_tol": 0.05},
+                          {"name": "ring", "dim": 3, "n": 50, "noise": "linear"},
+                          estimator={"smooth_radius": 0.1, "lipschitz": 1.3},
+                          privacy={"epsilon": 3.0, "delta": 1e-4}, train={"steps": 8}), tmp_path)
+    assert run.privatizer.sensitivities(run)["fresh"] == pytest.approx(2 * 1.3 / 50)
+    run.train()
+    entries = run.accountant.ledger.entries
+    assert sum(e["count"] for e in entries) == 8 and all(e["partition"] is None for e in entries)
+    assert run.accountant.epsilon() <= 3.0

@@ -161,4 +161,15 @@ class KLTMultiPass(O2NCAlgorithm):
                         lipschitz=L, delta_fail=gamma, extra={"theory_T": T_t})
 
 
-ALGORITHMS = (KLTSinglePass, KLTFirstOrder, KLTMultiPass)
+class KLTMultiPassFO(KLTMultiPass):
+    """KLT Alg. 2 + 4 with the first-order oracle (§6 remarks it applies; no theorem is stated for it)."""
+
+    name = "klt_mp_fo_erm"
+    defaults = {
+        **KLTMultiPass.defaults,
+        "estimator": {"name": "fo_ball", "smooth_radius": 0.05, "lipschitz": 1.0, "perturbations_fresh": 1,
+                      "dirs_per_sample": 16, "privacy_mode": "clip", "delta_fail": "auto"},
+    }
+
+
+ALGORITHMS = (KLTSinglePass, KLTFirstOrder, KLTMultiPass, KLTMultiPassFO)

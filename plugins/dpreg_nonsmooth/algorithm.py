@@ -12,7 +12,7 @@ can be calibrated to the sensitivity these numbers imply (spec 001 coupling 3).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from dpregistry import Algorithm, UserError
@@ -42,9 +42,6 @@ class Settings:
     dirs: int | None = None      # m resolved from "dim"/"theory" (None: the estimator's own integer)
     delta_fail: float = 0.0      # per-use failure probability γ of high-probability bounds
     extra: dict[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def cfg(stage, key: str, default=None):

@@ -97,14 +97,3 @@ def grad_bound_sq(dim: int, lipschitz: float, b1: int, b2: int, T: int, sigma: f
     """G² = 3(16dL²/B1 + 64dL²/(B2T)) + 3L² + 3·c·d·σ² (spec 001 §3.5), for η = D/(G√T)."""
     d, L = dim, lipschitz
     return 3 * (16 * d * L * L / b1 + 64 * d * L * L / (b2 * T)) + 3 * L * L + 3 * node_count(T, count_rule) * d * sigma ** 2
-
-
-def predicted_bound(T: int, n: int, dim: int, lipschitz: float, smooth_radius: float, init_gap: float,
-                    rho: float) -> float:
-    """The explicit §3.4 bound on E‖∇F(w̄)‖_{2δ} (constants [RECON]; a loose prediction)."""
-    d, L, delta = dim, lipschitz, smooth_radius
-    G = math.sqrt(grad_bound_sq(d, L, T + 1, 1, T, 4 * d * L * math.sqrt(2 * math.log(max(T, 2))) / (rho * T)
-                                if rho > 0 and math.isfinite(rho) else 0.0))
-    noise = 8 * d ** 1.5 * L * math.log(max(T, 2)) / (rho * T) if rho > 0 and math.isfinite(rho) else 0.0
-    return (2 * T * (init_gap + 2 * L * delta) / (delta * n) + G / math.sqrt(T)
-            + 2 * (math.sqrt(16 * d * L * L / (T + 1) + 64 * d * L * L / T) + noise))
