@@ -190,7 +190,8 @@ def _print_summary(summary: dict, out: Path | None) -> None:
         t.add_row("privacy", f"ε = {eps:.4g}{budget} at δ = {summary.get('delta'):g} "
                              f"({summary['accountant']}, {summary['relation'].replace('_', '-')})")
     if summary.get("rho") is not None:
-        t.add_row("zCDP", f"ρ = {summary['rho']:.4g} of {summary.get('target_rho'):.4g}")
+        target = summary.get("target_rho")
+        t.add_row("zCDP", f"ρ = {summary['rho']:.4g}" + (f" of {target:.4g}" if target is not None else ""))
     if summary.get("noise_multiplier") is not None:
         t.add_row("noise multiplier", f"{summary['noise_multiplier']:.4g}")
     t.add_row("steps", str(summary["step"]))
@@ -454,7 +455,7 @@ def privacy_report(run_dir: Path,
         if rep.get("target_epsilon"):
             head += f" (budget {rep['target_epsilon']:g})"
     if rep.get("rho") is not None:
-        head += f"; ρ = {rep['rho']:.4g} of {rep['target_rho']:.4g}"
+        head += f"; ρ = {rep['rho']:.4g}" + (f" of {rep['target_rho']:.4g}" if rep.get("target_rho") else "")
     console.print(head)
     if rep.get("noise_multiplier") is not None:
         console.print(f"noise multiplier {rep['noise_multiplier']:.6g}")

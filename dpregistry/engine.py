@@ -302,13 +302,15 @@ class Run:
         return self.params
 
     def finish(self, t0: float) -> dict[str, Any]:
+        # The checkpoint keeps the training state (a resume continues from the iterate, not from the
+        # output, which an update rule may pick as an average or an earlier iterate).
+        self.save_checkpoint()
         final = self.output_params()
         if final is not self.params:
             with torch.no_grad():
                 for k, v in final.items():
                     self.params[k].copy_(v)
         metrics = self.objective.evaluate()
-        self.save_checkpoint()
         if self.out_dir and self.comm.rank == 0:
             ckpt.write_atomic(self.out_dir / "model.safetensors",
                               {k: v.detach().cpu() for k, v in self.params.items()},

@@ -202,8 +202,14 @@ class Accountant(Stage):
         for c in plan:
             self._approved[(c.event, c.partition)] += c.count
 
+    def has_budget(self) -> bool:
+        b = self.budget
+        return (b.epsilon is not None and b.delta is not None) or b.rho is not None
+
     def can_afford(self, charges: Iterable[Charge]) -> bool:
         charges = list(charges)
+        if not self.has_budget():  # a run without a budget (non-private, σ = 0) is only recorded
+            return True
         need: Counter = Counter()
         for c in charges:
             need[(c.event, c.partition)] += c.count

@@ -605,7 +605,7 @@ class ZcdpAccountant(Accountant):
             "epsilon": None, "delta": None, "target_epsilon": self.budget.epsilon,
             "accountant": self.name, "notion": self.notion, "relation": self.budget.relation}
         out["rho"] = self.rho()
-        out["target_rho"] = self.budget_rho()
+        out["target_rho"] = self.budget_rho() if self.has_budget() else None
         return out
 
 

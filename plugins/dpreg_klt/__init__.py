@@ -1,0 +1,16 @@
+"""Kornowski, Liu and Talwar: improved sample complexity for private nonsmooth nonconvex optimization.
+
+Algorithms ``klt_sp_zo`` (Alg. 2 + 3, Thm 3.1), ``klt_mp_zo_erm`` (Alg. 2 + 4, Thm 4.1) and
+``klt_sp_fo`` (Alg. 2 + 5, Thm 6.1), built on the shared stages of ``dpreg_nonsmooth``; the
+theorems' parameter settings are in ``.theory``.
+"""
+
+from dpregistry import hookimpl
+
+from .algorithms import ALGORITHMS
+
+
+@hookimpl
+def dpreg_register_algorithms(register):
+    for cls in ALGORITHMS:
+        register(cls)

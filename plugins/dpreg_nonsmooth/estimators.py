@@ -1,0 +1,358 @@
+"""Gradient oracles of the smoothed loss f_δ(x) = E_{v∼U_B} f(x + δv), per example.
+
+* ``zo_sphere``: zeroth-order, directions uniform on the unit SPHERE (spec 002 [AMBIG-5]: the
+  printed Unif(𝔹_α) directions are biased). A fresh step (p = 1) emits the central two-point
+  estimate GRAD (spec 001 Alg. 1, spec 002 Eq. 4 with the y_j factor, [AMBIG-1]); a
+  variance-reduced step emits an INCREMENT: ZTC's coupled one-sided DIFF (the same u at w_t and
+  w_{t−1}, spec 001 Alg. 2) or KLT's difference of independent central estimates (spec 002 Alg. 3).
+* ``fo_ball``: first-order, ∇f at points uniform in the BALL of radius α (spec 002 Alg. 5: one
+  perturbation per record at p = 1, m and m independent ones at z_t and z_{t−1} otherwise).
+* ``zo_sphere_grad``: the naive oracle of ZTC App. E: a fresh estimate at every step (a GRADIENT).
+
+Every contribution carries a public per-example norm bound (``info["bound"]``) that the
+privatizer turns into the sensitivity 2·bound/B (replace-one) and, with ``privacy_mode: clip``,
+enforces by clipping (spec 001 coupling 10, spec 002 §2.6 safety_clip). In ``paper`` mode the
+bound rests on the objective being L-Lipschitz (the objective must declare it) and, for KLT's
+high-probability bounds, on a concentration event whose failure probability is charged.
+Directions come from public per-(step, slot, side) generators, independent of the records
+(coupled randomness, spec 002 §2.2).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from dpregistry import Estimator, StageParams, UserError
+from dpregistry.spaces import DENSE, GRADIENT, INCREMENT, DenseContribution
+
+from .points import FlatView, PointQuery, ball, sphere, step_generator
+
+#: elements (slots × directions × d) per batched loss query
+CHUNK_ELEMS = 1 << 21
+
+
+def concentration_radius(b: float, m: int, gamma: float) -> float:
+    """r with P(‖mean of m iid mean-zero terms, each of norm ≤ b‖ ≥ r) ≤ γ: b·sqrt(2 ln(2/γ)/m).
+
+    Pinelis (1994) for Hilbert-space martingales; the explicit replacement for spec 002's
+    Theorem C.2 with its unspecified constant ([IMPL] in spec 002 §2.2).
+    """
+    if gamma <= 0:
+        return math.inf
+    return b * math.sqrt(2 * math.log(2 / gamma) / m)
+
+
+class OracleParams(StageParams):
+    smooth_radius: float = Field(gt=0, description="δ (ZTC) / α (KLT): smoothing and Goldstein radius")
+    lipschitz: float = Field(default=1.0, gt=0, description="L: per-record Lipschitz constant (a privacy parameter)")
+    privacy_mode: Literal["paper", "clip"] = Field(
+        default="paper", description="paper: trust L (and high-probability bounds, charged as δ_fail); "
+                                     "clip: enforce every bound by clipping (deterministic sensitivity)")
+    delta_fail: float | Literal["auto"] = Field(
+        default=0.0, description="per-use failure probability γ of the concentration bounds (0: worst-case bounds)")
+
+
+class OracleEstimator(Estimator):
+    """Shared machinery: settings, the previous query point, the gap check, bounds → info."""
+
+    space = DENSE
+    contribution_kind = INCREMENT
+    Params = OracleParams
+
+    def setup(self, run):
+        self.view = FlatView(run.params)
+        self.d = self.view.dim
+        self.query = PointQuery(run.objective, self.view)
+        self.prev: torch.Tensor | None = None
+        self.purpose = f"{self.name}.dirs"
+        self.settings = getattr(run.algorithm, "settings", None)
+
+    def validate(self, run):
+        if self.settings is None:
+            raise UserError(f"estimator {self.name!r} needs an O2NC algorithm (it reads D, the batch schedule "
+                            f"and m from the algorithm); got {run.algorithm.name!r}", key="estimator")
+        PointQuery.check(run.objective, need_grad=self.first_order)
+        if self.cfg.privacy_mode == "paper":
+            L_obj = getattr(run.objective, "lipschitz", None)
+            if L_obj is None:
+                raise UserError(f"objective {run.objective.name!r} declares no Lipschitz constant, so the paper's "
+                                "sensitivity bound would be an unchecked assumption; use privacy_mode: clip",
+                                key="estimator.privacy_mode")
+            if self.cfg.lipschitz < L_obj * (1 - 1e-12):
+                raise UserError(f"lipschitz = {self.cfg.lipschitz:g} is below the objective's constant {L_obj:g}; "
+                                "the sensitivity bound would be wrong", key="estimator.lipschitz")
+
+    first_order = False
+
+    # -- parameters shared with the algorithm ---------------------------------------------------
+
+    @property
+    def gamma(self) -> float:
+        """Per-use failure probability of the high-probability bounds (0: worst case only)."""
+        g = self.cfg.delta_fail
+        return float(self.settings.delta_fail if g == "auto" else g)
+
+    @property
+    def max_gap(self) -> float:
+        """‖w_t − w_{t−1}‖ ≤ 2D for every history (Remark 4.1 of ZTC; the projection on 𝔹_D), up to
+        the rounding of the points to the parameters' dtype (``FlatView.slack``)."""
+        return 2 * self.settings.radius * (1 + self.view.slack)
+
+    # -- what subclasses provide ------------------------------------------------------------------
+
+    def bound(self, fresh: bool, gap: float) -> tuple[float, float]:
+        """(R, γ): every per-example contribution has norm ≤ R, except with probability γ."""
+        raise NotImplementedError
+
+    def variance(self, fresh: bool, gap: float) -> float:
+        """Bound on a per-example contribution's E‖c − E c‖² (for the step size only)."""
+        raise NotImplementedError
+
+    def _fresh(self, x, indices, run) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _increment(self, x, y, indices, run) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    # -- the estimator contract -------------------------------------------------------------------
+
+    def reset(self):
+        self.prev = None
+
+    def public_bound(self, fresh: bool, gap: float) -> tuple[float, float]:
+        """The bound the privatizer uses: (R, γ), with γ = 0 once ``clip`` enforces R."""
+        R, gamma = self.bound(fresh, gap)
+        return R, (0.0 if self.cfg.privacy_mode == "clip" else gamma)
+
+    @torch.no_grad()
+    def contributions(self, objective, indices, run):
+        x = self.view.flat(run.params)
+        fresh = self.prev is None or self.contribution_kind == GRADIENT
+        gap = 0.0
+        if fresh:
+            per, losses = self._fresh(x, indices, run)
+        else:
+            gap = float(torch.linalg.vector_norm(x - self.prev))
+            if gap > self.max_gap:  # spec 001 coupling 3: the sensitivity rests on it
+                raise RuntimeError(f"‖w_t − w_(t−1)‖ = {gap:.6g} exceeds 2D = {self.max_gap:.6g}")
+            per, losses = self._increment(x, self.prev, indices, run)
+        self.prev = x
+        R, gamma = self.public_bound(fresh, gap)
+        yield DenseContribution(per_example=self.view.unflatten(per), kind=self.contribution_kind, losses=losses,
+                                info={"bound": R, "gamma": gamma, "fresh": fresh, "gap": gap,
+                                      "enforce": self.cfg.privacy_mode == "clip"})
+
+    def state_dict(self):
+        return {} if self.prev is None else {"prev": self.prev}
+
+    def load_state_dict(self, state):
+        self.prev = state.get("prev")
+        if self.prev is not None:
+            self.prev = self.prev.clone()
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _slot_chunks(self, n_slots: int, per_slot: int):
+        """Consecutive slot ranges; their bounds depend only on the batch size, m and d (public)."""
+        size = max(1, CHUNK_ELEMS // max(per_slot, 1))
+        for s in range(0, n_slots, size):
+            yield slice(s, min(n_slots, s + size))
+
+    def _generator(self, run, side: int) -> torch.Generator:
+        return step_generator(run, self.purpose, run.step, side)
+
+    def _dirs(self, g: torch.Generator, sl: slice, m: int, dtype) -> torch.Tensor:
+        """[slots, m, d] unit-sphere directions, drawn slot after slot from the step's generator."""
+        return sphere(g, (sl.stop - sl.start) * m, self.d, dtype).view(-1, m, self.d)
+
+
+# ------------------------------------------------------------------------------------------------
+# zeroth order, sphere directions
+# ------------------------------------------------------------------------------------------------
+
+
+class ZOSphereParams(OracleParams):
+    dirs_per_sample: int | Literal["dim", "theory"] = Field(
+        default="dim", description="m directions per record (ZTC: d; KLT: a privacy knob, 'theory' = its theorem)")
+    diff_mode: Literal["coupled_one_sided", "independent_central"] = Field(
+        default="coupled_one_sided", description="VR increment: ZTC's DIFF (same u at both points) or KLT's "
+                                                 "difference of independent central estimates")
+
+
+class ZOSphere(OracleEstimator):
+    """Two-point ZO estimates on unit-sphere directions, m per record; VR increments after p = 1."""
+
+    name = "zo_sphere"
+    Params = ZOSphereParams
+
+    @property
+    def m(self) -> int:
+        v = self.cfg.dirs_per_sample
+        if v == "dim":
+            return self.d
+        if v == "theory":
+            if not self.settings or not self.settings.dirs:
+                raise UserError(f"dirs_per_sample: theory needs an algorithm that derives m; "
+                                f"{self.settings and 'this one does not'}", key="estimator.dirs_per_sample")
+            return int(self.settings.dirs)
+        return int(v)
+
+    def validate(self, run):
+        super().validate(run)
+        if self.m < 1:
+            raise UserError("dirs_per_sample must be at least 1", key="estimator.dirs_per_sample")
+
+    def bound(self, fresh, gap):
+        d, L, a, m = self.d, self.cfg.lipschitz, self.cfg.smooth_radius, self.m
+        gamma = self.gamma
+        if fresh:
+            det = d * L  # ‖(d/2δ)(f(x+δu) − f(x−δu))u‖ ≤ dL (spec 001 Lemma 3.1)
+            hp = L + concentration_radius(L * (d + 1), m, gamma)  # spec 002 §2.2 [IMPL]
+            return (hp, gamma) if hp < det else (det, 0.0)
+        if self.cfg.diff_mode == "coupled_one_sided":
+            return d * L * gap / a, 0.0  # ‖d_ij‖ ≤ dL‖x − y‖/δ (spec 001 Lemma 3.2)
+        det = 2 * d * L
+        smooth = min(2 * L, L * math.sqrt(d) * gap / a)  # ∇f_α is L√d/α-Lipschitz and L-bounded
+        hp = smooth + 2 * concentration_radius(L * (d + 1), m, gamma / 2)  # two estimates, γ/2 each
+        return (hp, gamma) if hp < det else (det, 0.0)
+
+    def variance(self, fresh, gap):
+        d, L, a, m = self.d, self.cfg.lipschitz, self.cfg.smooth_radius, self.m
+        zo = 16 * d * d * L * L / m  # spec 001 Lemma 3.1 (16dL² at m = d)
+        if fresh:
+            return zo
+        if self.cfg.diff_mode == "coupled_one_sided":
+            return zo * gap * gap / (a * a)  # Lemma 3.2
+        return (L * math.sqrt(d) * gap / a) ** 2 + 2 * zo
+
+    def _central(self, x, indices, run, side):
+        """Per-example (1/m)Σ_j (d/2δ)(f(x+δu_j) − f(x−δu_j))u_j and the mean loss, [B, d], [B]."""
+        B, d, m, a = len(indices), self.d, self.m, self.cfg.smooth_radius
+        cap = 2 * self.cfg.lipschitz * a
+        out = x.new_zeros(B, d)
+        loss = x.new_zeros(B)
+        g = self._generator(run, side)
+        for sl in self._slot_chunks(B, 2 * m * d):
+            U = self._dirs(g, sl, m, x.dtype)                                    # [b, m, d]
+            pts = torch.cat([x + a * U, x - a * U], dim=1)                       # [b, 2m, d]
+            f = self.query.losses(pts.reshape(-1, d), indices[sl].repeat_interleave(2 * m)).view(-1, 2 * m)
+            diff = f[:, :m] - f[:, m:]
+            if self.cfg.privacy_mode == "clip":  # spec 001 coupling 10: |f(x+δu) − f(x−δu)| ≤ 2Lδ
+                diff = diff.clamp(-cap, cap)
+            out[sl] = (d / (2 * a)) * (diff.unsqueeze(-1) * U).mean(1)
+            loss[sl] = f.mean(1)
+        return out, loss
+
+    def _fresh(self, x, indices, run):
+        return self._central(x, indices, run, side=0)
+
+    def _increment(self, x, y, indices, run):
+        if self.cfg.diff_mode == "independent_central":  # spec 002 Alg. 3 lines 12–16
+            a, la = self._central(x, indices, run, side=0)
+            b, lb = self._central(y, indices, run, side=1)
+            return a - b, la
+        B, d, m, a = len(indices), self.d, self.m, self.cfg.smooth_radius
+        cap = self.cfg.lipschitz * float(torch.linalg.vector_norm(x - y))
+        out = x.new_zeros(B, d)
+        loss = x.new_zeros(B)
+        g = self._generator(run, 0)
+        for sl in self._slot_chunks(B, 2 * m * d):
+            U = self._dirs(g, sl, m, x.dtype)
+            pts = torch.cat([x + a * U, y + a * U], dim=1)  # the SAME u at both points (spec 001 Alg. 2)
+            f = self.query.losses(pts.reshape(-1, d), indices[sl].repeat_interleave(2 * m)).view(-1, 2 * m)
+            diff = f[:, :m] - f[:, m:]
+            if self.cfg.privacy_mode == "clip":  # |f(x+δu) − f(y+δu)| ≤ L‖x − y‖
+                diff = diff.clamp(-cap, cap)
+            out[sl] = (d / a) * (diff.unsqueeze(-1) * U).mean(1)
+            loss[sl] = f[:, :m].mean(1)
+        return out, loss
+
+
+class ZOSphereGradParams(OracleParams):
+    dirs_per_sample: int | Literal["dim"] = Field(default=1, description="m (ZTC App. E: one direction per record)")
+
+
+class ZOSphereGrad(ZOSphere):
+    """ZTC App. E's naive oracle: a fresh two-point sphere estimate at every step (a gradient)."""
+
+    name = "zo_sphere_grad"
+    contribution_kind = GRADIENT
+    Params = ZOSphereGradParams
+
+    def bound(self, fresh, gap):
+        return self.d * self.cfg.lipschitz, 0.0  # ‖(d/2δ)(f(w+δu) − f(w−δu))u‖ ≤ dL
+
+    def variance(self, fresh, gap):
+        return 16 * self.d * self.d * self.cfg.lipschitz ** 2 / self.m
+
+
+# ------------------------------------------------------------------------------------------------
+# first order, ball perturbations
+# ------------------------------------------------------------------------------------------------
+
+
+class FOBallParams(OracleParams):
+    perturbations_fresh: int = Field(default=1, gt=0, description="perturbations per record at p = 1 (Alg. 5: 1)")
+    dirs_per_sample: int | Literal["theory"] = Field(
+        default=1, description="m perturbations per record and point at p > 1 ('theory': KLT Thm. 6.1)")
+
+
+class FOBall(OracleEstimator):
+    """First-order oracle at random points of the α-ball: ∇f(z + y), y ~ Unif(𝔹_α) (KLT Alg. 5)."""
+
+    name = "fo_ball"
+    Params = FOBallParams
+    first_order = True
+
+    @property
+    def m(self) -> int:
+        v = self.cfg.dirs_per_sample
+        if v == "theory":
+            if not self.settings or not self.settings.dirs:
+                raise UserError("dirs_per_sample: theory needs an algorithm that derives m",
+                                key="estimator.dirs_per_sample")
+            return int(self.settings.dirs)
+        return int(v)
+
+    def bound(self, fresh, gap):
+        L, a, d = self.cfg.lipschitz, self.cfg.smooth_radius, self.d
+        if fresh:
+            return L, 0.0  # a mean of gradients of an L-Lipschitz f (spec 002 Lemma 6.3)
+        det = 2 * L
+        smooth = min(2 * L, L * math.sqrt(d) * gap / a)
+        hp = smooth + 2 * concentration_radius(2 * L, self.m, self.gamma / 2)
+        return (hp, self.gamma) if hp < det else (det, 0.0)
+
+    def variance(self, fresh, gap):
+        L, a, d = self.cfg.lipschitz, self.cfg.smooth_radius, self.d
+        if fresh:
+            return 4 * L * L / self.cfg.perturbations_fresh
+        return (L * math.sqrt(d) * gap / a) ** 2 + 8 * L * L / self.m
+
+    def _ball_grads(self, x, indices, run, m, side):
+        B, d, a = len(indices), self.d, self.cfg.smooth_radius
+        out = x.new_zeros(B, d)
+        loss = x.new_zeros(B)
+        g = self._generator(run, side)
+        for sl in self._slot_chunks(B, m * d):
+            Y = ball(g, (sl.stop - sl.start) * m, d, a, x.dtype).view(-1, m, d)         # [b, m, d]
+            pts = (x + Y).reshape(-1, d)
+            idx = indices[sl].repeat_interleave(m)
+            out[sl] = self.query.grads(pts, idx).view(-1, m, d).mean(1)
+            loss[sl] = self.query.losses(pts, idx).view(-1, m).mean(1)
+        return out, loss
+
+    def _fresh(self, x, indices, run):
+        return self._ball_grads(x, indices, run, self.cfg.perturbations_fresh, side=0)
+
+    def _increment(self, x, y, indices, run):
+        a, la = self._ball_grads(x, indices, run, self.m, side=0)
+        b, _ = self._ball_grads(y, indices, run, self.m, side=1)  # independent perturbations at z_(t−1)
+        return a - b, la
+
+
+ESTIMATORS = (ZOSphere, ZOSphereGrad, FOBall)

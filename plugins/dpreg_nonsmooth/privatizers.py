@@ -1,0 +1,348 @@
+"""Stream privatizers: the tree mechanism, KLT's i.i.d.-noise prefix sum, and a per-step Gaussian.
+
+The two stream privatizers take INCREMENTS and own the running sum, so variance reduction and
+noise are one summation (spec 001 §4 coupling 1, spec 002 §4 contract): the tree releases
+Σ inc + TREE(p) (ZTC Alg. 4–5, KLT Alg. 3/5); ``iid_prefix`` releases g̃_t = g̃_{t−1} + inc_t + χ_t
+(KLT Alg. 4). The algorithm calls ``reset()`` at every period start.
+
+Sensitivity (replace-one, every history): a period's stream elements read disjoint batches; the
+differing record changes one element, by at most 2R/B where R is the estimator's public
+per-example bound (spec 001 §2.2, spec 002 §2.2). So every element has sensitivity
+s = max(2R_fresh/B1, 2R_vr(2D)/B2), and a period of the tree is one Gaussian mechanism of
+sensitivity s·sqrt(⌊log2 Σ⌋ + 1) (spec 001 §2.3–2.4, with the exact node count).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from dpregistry import ClippedSum, Privatizer, Release, StageParams, UserError
+from dpregistry.clipping import clip_weights
+from dpregistry.privacy.conversions import epsilon_to_zcdp
+from dpregistry.privacy.events import Gaussian, TreeAggregation
+from dpregistry.spaces import DENSE, GRADIENT, INCREMENT, DenseAggregate
+
+from .accounting import ConcentrationFailure
+from .points import FlatView
+from .tree import TreeStack, nodes_per_record
+
+
+class StreamParams(StageParams):
+    noise_multiplier: float | Literal["auto"] = Field(
+        default="auto", description="node std ÷ element sensitivity s; auto: calibrated to the budget")
+
+
+class BoundedPrivatizer(Privatizer):
+    """Shared: sensitivities from the estimator's public bounds, clipping when enforced."""
+
+    accepts = frozenset({DENSE})
+    Params = StreamParams
+
+    def setup(self, run):
+        self.relation = run.relation
+        z = self.cfg.noise_multiplier
+        self.needs_calibration = z == "auto"
+        self.noise_multiplier = None if self.needs_calibration else float(z)
+        self.view = FlatView(run.params)
+        self.settings = getattr(run.algorithm, "settings", None)
+        self._info: dict = {}
+
+    def validate(self, run):
+        if self.settings is None:
+            raise UserError(f"privatizer {self.name!r} needs an O2NC algorithm (its period clock and batch "
+                            f"schedule set the sensitivity); got {run.algorithm.name!r}", key="privatizer")
+        if not callable(getattr(run.estimator, "public_bound", None)):
+            raise UserError(f"privatizer {self.name!r} needs an estimator with public per-example bounds "
+                            f"(zo_sphere, fo_ball, zo_sphere_grad); got {run.estimator.name!r}", key="estimator")
+        if self.noise_multiplier is not None and self.noise_multiplier < 0:
+            raise UserError("noise_multiplier must be >= 0", key="privatizer.noise_multiplier")
+
+    def set_noise_multiplier(self, z: float) -> None:
+        self.noise_multiplier = float(z)
+
+    # -- sensitivities ---------------------------------------------------------------------------
+
+    def sensitivities(self, run) -> dict[str, float]:
+        """Element sensitivities of the mean (2R/B, replace-one) and failure probabilities.
+
+        Constants of the run (public bounds at the worst gap 2D), so they are computed once."""
+        if getattr(self, "_sens", None) is None:
+            self._sens = self._sensitivities(run)
+        return self._sens
+
+    def _sensitivities(self, run) -> dict[str, float]:
+        # A high-probability bound must hold for the differing record of BOTH neighbouring data sets
+        # (the directions are shared, every other slot cancels): conditioning on the directions,
+        # P(bad) ≤ 2γ for the estimator's per-record γ, and the pair is (ε, δ + 2γ)-close.
+        s = self.settings
+        est = run.estimator
+        r_f, g_f = est.public_bound(True, 0.0)
+        out = {"fresh": 2 * r_f / s.batch_first, "gamma_fresh": 2 * g_f, "vr": 0.0, "gamma_vr": 0.0}
+        if s.period > 1 and est.contribution_kind == INCREMENT:
+            r_v, g_v = est.public_bound(False, est.max_gap)
+            out.update(vr=2 * r_v / s.batch_rest, gamma_vr=2 * g_v)
+        return out
+
+    def stream_events(self, noise_multiplier: float, run, p: int) -> list:
+        """The events of the release at period position ``p`` (planning and release use the same)."""
+        raise NotImplementedError
+
+    def planned_events(self, noise_multiplier, run):
+        return self.stream_events(noise_multiplier, run, 1)
+
+    def noise_second_moment(self, run) -> float:
+        """max_p E‖noise of the release at p‖² (for the step size)."""
+        raise NotImplementedError
+
+    # -- clipping --------------------------------------------------------------------------------
+
+    def clip_sum(self, contribution):
+        info = contribution.info
+        if "bound" not in info:
+            raise RuntimeError(f"privatizer {self.name!r} needs contributions with a public bound")
+        bound = float(info["bound"])
+        clip = bound if info.get("enforce") else math.inf
+        # clip_and_sum's rule (NaN/inf rows are dropped, never clipped), with the norms computed once
+        norms = contribution.norms()
+        finite = torch.isfinite(norms)
+        losses = contribution.losses
+        if losses is not None and losses.numel():
+            finite &= torch.isfinite(losses.to(norms.device))
+        agg = contribution.weighted_sum(clip_weights(norms, clip, finite))
+        over = finite & (norms > bound * (1 + 1e-6))
+        self._info = dict(info, exceeded=int(over.sum()))
+        loss_sum = float(losses[finite].sum()) if losses is not None and losses.numel() else 0.0
+        return ClippedSum(agg, count=int(norms.numel()), clipped=int(over.sum()) if clip < math.inf else 0,
+                          nonfinite=int((~finite).sum()), loss_sum=loss_sum, kind=contribution.kind)
+
+    def _mean(self, total, run) -> torch.Tensor:
+        agg = total.aggregate.lift({n: None for n in self.view.names})
+        return torch.cat([agg[n].reshape(-1) for n in self.view.names]).to(self.view.dtype) / \
+            run.sampler.expected_batch_size(run)
+
+    def _release(self, flat: torch.Tensor, events, std: float, run) -> Release:
+        agg = DenseAggregate({n: t.clone() for n, t in self.view.unflatten(flat).items()})
+        stats = {"noise_std": std, "bound": float(self._info.get("bound", 0.0)),
+                 "bound_exceeded": float(self._info.get("exceeded", 0))}
+        return Release(agg, events, kind=GRADIENT, stats=stats)
+
+
+# ------------------------------------------------------------------------------------------------
+# the tree mechanism
+# ------------------------------------------------------------------------------------------------
+
+
+class TreeParams(StreamParams):
+    calibration: Literal["accountant", "klt_prop25"] = Field(
+        default="accountant", description="accountant: the smallest σ whose exact plan fits the budget; "
+                                          "klt_prop25: KLT Prop. 2.5, σ = 4s·sqrt(log2 Σ·ln(1/δ))/ε")
+
+
+class TreeAggregationPrivatizer(BoundedPrivatizer):
+    """Binary tree mechanism over increments: one fresh Gaussian per node, O(log Σ) state, reset per period."""
+
+    name = "tree_aggregation"
+    accepts_kinds = frozenset({INCREMENT})
+    Params = TreeParams
+
+    def setup(self, run):
+        super().setup(run)
+        self.stack = TreeStack()
+
+    def validate(self, run):
+        super().validate(run)
+        if not self.settings.single_pass:
+            # with reused data a record is in every increment, and a node's sensitivity is the SUM
+            # of its elements' (not the max): the tree analysis of spec 001 §2.3 does not apply
+            raise UserError("tree_aggregation needs single-pass data (sampler single_pass); for full-batch "
+                            "multi-pass runs use iid_prefix (KLT Alg. 4)", key="privatizer")
+        if self.cfg.calibration == "klt_prop25":
+            if self.cfg.noise_multiplier != "auto":
+                raise UserError("calibration: klt_prop25 sets the noise itself; leave noise_multiplier: auto",
+                                key="privatizer.calibration")
+            self.needs_calibration = False
+            self.noise_multiplier = self.prop25_multiplier(run)
+
+    def element_sensitivity(self, run) -> float:
+        s = self.sensitivities(run)
+        return max(s["fresh"], s["vr"])
+
+    def nodes(self) -> int:
+        return nodes_per_record(self.settings.period)  # ⌊log2 Σ⌋ + 1 (spec 001 §2.4 erratum)
+
+    def prop25_multiplier(self, run) -> float:
+        """σ/s of KLT Prop. 2.5 with log2 for the depth and ln for δ ([AMBIG-6]); δ excludes δ_fail.
+
+        The exact plan still has to fit the budget: at Σ = 1 (log2 Σ = 0) it gives σ = 0 and the
+        run is refused, as it must be."""
+        b = run.budget
+        if b.epsilon is None or b.delta is None:
+            raise UserError("calibration: klt_prop25 needs privacy.epsilon and privacy.delta", key="privacy")
+        s = self.sensitivities(run)
+        gamma = max(s["gamma_fresh"], s["gamma_vr"])
+        if gamma >= b.delta:
+            raise UserError(f"δ_fail = {gamma:g} leaves nothing of δ = {b.delta:g}", key="estimator.delta_fail")
+        return 4 * math.sqrt(math.log2(self.settings.period) * math.log(1 / (b.delta - gamma))) / b.epsilon
+
+    def stream_events(self, noise_multiplier, run, p):
+        if p != 1:
+            return []  # the whole period is charged at its first step
+        s = self.sensitivities(run)
+        sens = max(s["fresh"], s["vr"])
+        events = [TreeAggregation(std=noise_multiplier * sens, sensitivity=sens, nodes_per_record=self.nodes())]
+        gamma = max(s["gamma_fresh"], s["gamma_vr"])  # a record is used at one step of the period
+        if gamma > 0:
+            events.append(ConcentrationFailure(gamma))
+        return events
+
+    def noise_second_moment(self, run):
+        sigma = (self.noise_multiplier or 0.0) * self.element_sensitivity(run)
+        return self.view.dim * sigma ** 2 * self.nodes()  # popcount(p) ≤ ⌊log2 Σ⌋ + 1
+
+    def reset(self):
+        self.stack.reset()
+
+    def release(self, total, run, *, std=None):
+        _, p = run.algorithm.position(run.step)
+        if self.stack.t + 1 != p:  # the tree and the VR sum must restart on the same clock
+            raise RuntimeError(f"tree position {self.stack.t + 1} != period position {p}: a reset was missed")
+        sens = self.element_sensitivity(run)
+        z = self.noise_multiplier if std is None else std / sens  # the planned z, bit for bit
+        std = z * sens
+        inc = self._mean(total, run)
+        source = run.noise()
+        out = self.stack.push(inc, lambda shape: source.randn(shape, dtype=inc.dtype, device=inc.device).mul_(std)
+                              if std > 0 else torch.zeros(shape, dtype=inc.dtype, device=inc.device))
+        return self._release(out, self.stream_events(z, run, p), std, run)
+
+    def state_dict(self):
+        return {"stack": self.stack.state_dict()}
+
+    def load_state_dict(self, state):
+        self.stack.load_state_dict(state.get("stack", {}))
+
+
+# ------------------------------------------------------------------------------------------------
+# KLT Alg. 4: i.i.d. noise on the running sum
+# ------------------------------------------------------------------------------------------------
+
+
+class IidPrefixParams(StreamParams):
+    fresh_share: float = Field(default=0.5, gt=0, lt=1,
+                               description="fraction of the budget (ρ) spent on the fresh releases")
+
+
+class IidPrefix(BoundedPrivatizer):
+    """KLT Alg. 4: g̃_t = g̃_(t−1) + inc_t + χ_t with fresh χ_t ~ N(0, σ_p²) every step (σ1 at p = 1, σ2 after)."""
+
+    name = "iid_prefix"
+    accepts_kinds = frozenset({INCREMENT})
+    Params = IidPrefixParams
+
+    def setup(self, run):
+        super().setup(run)
+        self.running: torch.Tensor | None = None
+
+    def _counts(self) -> tuple[int, int]:
+        T, P = self.settings.total_steps, self.settings.period
+        k1 = -(-T // P)
+        return k1, T - k1
+
+    def stds(self, noise_multiplier: float, run) -> tuple[float, float]:
+        """σ1 = z·s1·sqrt(K1/f), σ2 = z·s2·sqrt(K2/(1−f)): the run is then exactly 1/(2z²)-zCDP, and
+        σ1 ∝ sqrt(T/Σ), σ2 ∝ sqrt(T) as in Thm. 4.1 (spec 002 §2.3)."""
+        s = self.sensitivities(run)
+        k1, k2 = self._counts()
+        f = self.cfg.fresh_share if k2 else 1.0
+        s1 = noise_multiplier * s["fresh"] * math.sqrt(k1 / f)
+        s2 = noise_multiplier * s["vr"] * math.sqrt(k2 / (1 - f)) if k2 else 0.0
+        return s1, s2
+
+    def stream_events(self, noise_multiplier, run, p):
+        s = self.sensitivities(run)
+        s1, s2 = self.stds(noise_multiplier, run)
+        if p == 1:
+            events, gamma = [Gaussian(std=s1, sensitivity=s["fresh"])], s["gamma_fresh"]
+        else:
+            events, gamma = [Gaussian(std=s2, sensitivity=s["vr"])], s["gamma_vr"]
+        if gamma > 0:  # multi-pass: a record is used at every step, so the γ's add up (spec 002 [AMBIG-11])
+            events.append(ConcentrationFailure(gamma))
+        return events
+
+    def noise_second_moment(self, run):
+        s1, s2 = self.stds(self.noise_multiplier or 0.0, run)
+        return self.view.dim * (s1 ** 2 + (self.settings.period - 1) * s2 ** 2)
+
+    def reset(self):
+        self.running = None
+
+    def release(self, total, run, *, std=None):
+        _, p = run.algorithm.position(run.step)
+        if (p == 1) != (self.running is None):
+            raise RuntimeError("iid_prefix: the running sum and the period clock disagree (a reset was missed)")
+        s1, s2 = self.stds(self.noise_multiplier, run)
+        sigma = (s1 if p == 1 else s2) if std is None else std
+        inc = self._mean(total, run)
+        noise = run.noise().randn(inc.shape, dtype=inc.dtype, device=inc.device).mul_(sigma) if sigma > 0 else 0.0
+        self.running = (inc if self.running is None else self.running + inc) + noise  # builds on the NOISY sum
+        return self._release(self.running, self.stream_events(self.noise_multiplier, run, p), sigma, run)
+
+    def state_dict(self):
+        return {} if self.running is None else {"running": self.running}
+
+    def load_state_dict(self, state):
+        r = state.get("running")
+        self.running = None if r is None else r.clone()
+
+
+# ------------------------------------------------------------------------------------------------
+# a per-step Gaussian for gradient estimates (ZTC App. E)
+# ------------------------------------------------------------------------------------------------
+
+
+class BoundedGaussian(BoundedPrivatizer):
+    """Per-step Gaussian on a mean of bounded gradient estimates: std = z·2R/B (ZTC App. E, corrected 2dL/B)."""
+
+    name = "bounded_gaussian"
+    accepts_kinds = frozenset({GRADIENT})
+
+    def stream_events(self, noise_multiplier, run, p):
+        # Single pass: the steps of a period read disjoint batches, so a record meets one of them and
+        # the period costs one release (adaptive parallel composition, ZTC Lemma C.1); charged at p = 1.
+        if self.settings.single_pass and p != 1:
+            return []
+        s = self.sensitivities(run)
+        events = [Gaussian(std=noise_multiplier * s["fresh"], sensitivity=s["fresh"])]
+        if s["gamma_fresh"] > 0:
+            events.append(ConcentrationFailure(s["gamma_fresh"]))
+        return events
+
+    def noise_second_moment(self, run):
+        return self.view.dim * ((self.noise_multiplier or 0.0) * self.sensitivities(run)["fresh"]) ** 2
+
+    def release(self, total, run, *, std=None):
+        sens = self.sensitivities(run)["fresh"]
+        z = self.noise_multiplier if std is None else std / sens
+        std = z * sens
+        g = self._mean(total, run)
+        if std > 0:
+            g = g + run.noise().randn(g.shape, dtype=g.dtype, device=g.device).mul_(std)
+        _, p = run.algorithm.position(run.step)
+        return self._release(g, self.stream_events(z, run, p), std, run)
+
+
+def ztc_rho_to_zcdp(rho: float) -> float:
+    """ZTC's (α, αρ²/2)-RDP is ρ²/2-zCDP (spec 001 §0)."""
+    return rho * rho / 2
+
+
+def epsilon_delta_to_ztc_rho(epsilon: float, delta: float) -> float:
+    """ZTC's ρ for an (ε, δ) target: sqrt(2·ρ_zCDP)."""
+    return math.sqrt(2 * epsilon_to_zcdp(epsilon, delta))
+
+
+PRIVATIZERS = (TreeAggregationPrivatizer, IidPrefix, BoundedGaussian)

@@ -1,0 +1,15 @@
+"""Zhang, Tran and Cutkosky (ICLR 2024): private zeroth-order nonsmooth nonconvex optimization.
+
+Algorithms ``ztc_o2nc_tree`` (Theorem 4.9) and ``ztc_naive`` (App. E), built on the shared
+stages of ``dpreg_nonsmooth``; closed forms (T rule, σ calibration, ρ_eff report) in ``.theory``.
+"""
+
+from dpregistry import hookimpl
+
+from .algorithms import ALGORITHMS
+
+
+@hookimpl
+def dpreg_register_algorithms(register):
+    for cls in ALGORITHMS:
+        register(cls)
