@@ -2,7 +2,8 @@
 
 A checkpoint holds tensors (trainable parameters, stage state, RNG state) and one metadata entry,
 ``dpregistry``, with JSON: the step, the resolved recipe and its hash, the non-tensor stage state
-(the privacy ledger among it), the library version and a SHA-256 of all tensor bytes. A file
+(the privacy ledger among it), the library version and a SHA-256 of all tensor bytes and of the
+metadata itself (a flipped bit in the ledger would otherwise under-charge a resumed run). A file
 whose checksum does not match (a torn write, a flipped bit) is refused, and the run falls back
 to the previous checkpoint.
 """
@@ -30,8 +31,11 @@ class CorruptCheckpoint(Exception):
     pass
 
 
-def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
+def tensor_digest(tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> str:
+    """SHA-256 of every tensor (name, dtype, shape, bytes) and of the metadata without its checksum."""
     h = hashlib.sha256()
+    if meta is not None:
+        h.update(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
     for k in sorted(tensors):
         t = tensors[k].detach().contiguous().cpu()
         h.update(k.encode())
@@ -80,11 +84,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def temp_path(path: Path) -> Path:
+    """Where :func:`write_atomic` writes ``path`` before renaming it (hidden, per process)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+TEMP = re.compile(r"^\..+\.tmp(-\d+)?$")
+
+
+def remove_stale_temps(folder: Path) -> list[Path]:
+    """Delete temporary files that a killed writer left in ``folder`` (call it holding the run lock)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    stale = [p for p in folder.iterdir() if TEMP.match(p.name) and p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
 def write_atomic(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """Write to a temporary file in the same folder, fsync, rename, fsync the folder."""
     path = Path(path)
-    meta = dict(meta, checksum=tensor_digest(tensors))
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    meta = json.loads(json.dumps(meta))  # exactly what a reader will see (tuples become lists)
+    meta["checksum"] = tensor_digest(tensors, meta)
+    tmp = temp_path(path)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
                   metadata={META_KEY: json.dumps(meta, sort_keys=True)})
@@ -107,8 +131,13 @@ def read(path: Path, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict
         raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
     if raw is None:
         raise CorruptCheckpoint(f"{path}: not a dpregistry checkpoint (no metadata)")
-    meta = json.loads(raw)
-    if verify and meta.get("checksum") != tensor_digest(tensors):
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        raise CorruptCheckpoint(f"{path}: unreadable metadata") from None
+    if not isinstance(meta, dict):
+        raise CorruptCheckpoint(f"{path}: unreadable metadata")
+    if verify and meta.get("checksum") != tensor_digest(tensors, meta):
         raise CorruptCheckpoint(f"{path}: checksum mismatch")
     return tensors, meta
 

@@ -5,6 +5,7 @@ Bad input of any kind prints one line and exits with code 2, and writes nothing.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -21,10 +22,43 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
 from .errors import UserError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+
+# click's exceptions, from whichever click typer uses (recent typer vendors its own copy)
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_click_exceptions = sys.modules[_ClickException.__module__]
+_NoArgsIsHelp = getattr(_click_exceptions, "NoArgsIsHelpError", ())
+_ClickAbort = getattr(_click_exceptions, "Abort", ())
+
+
+class OneLineErrors(TyperGroup):
+    """Usage errors (an unknown option, a missing argument, a bad value) print one line and exit 2,
+    like every other bad input, instead of click's usage box."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        prog_name = "dpreg"  # also under `python -m dpregistry` and in tests
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _NoArgsIsHelp as e:
+            e.show()
+            sys.exit(0)
+        except _ClickException as e:
+            ctx = getattr(e, "ctx", None)
+            where = f"{ctx.command_path}: " if ctx is not None else ""
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            say_error(f"{where}{e.format_message()}{hint}")
+            sys.exit(2)
+        except _ClickAbort:
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="dpregistry: differentially private optimizers as plugins.")
 privacy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Privacy accounting tools.")
 app.add_typer(privacy_app, name="privacy")
@@ -92,35 +126,80 @@ def load_recipe(path: str, sets):
 # ------------------------------------------------------------------------------------------
 
 
-def _pid_alive(pid: int) -> bool:
+LOCK = ".lock"
+
+
+def _lock_info(path: Path) -> dict:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _busy(out: Path, info: dict) -> UserError:
+    host = info.get("host")
+    on = f" on {host}" if host and host != socket.gethostname() else ""
+    return UserError(f"another run (pid {info.get('pid', '?')}{on}, started {info.get('started', '?')}) is using "
+                     f"this folder; wait for it to finish or stop it first", file=str(out))
+
+
+def lock_holder(out: Path) -> dict | None:
+    """The lock record of the live process that holds ``out``, or None.
+
+    The lock is an flock on ``out/.lock``: the kernel releases it when its process dies, even by
+    SIGKILL, so a lock file left behind by a killed run never blocks the folder."""
+    path = Path(out) / LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return _lock_info(path) or {}
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    return None
 
 
 @contextmanager
 def run_lock(out: Path):
-    """A lock file naming the process that owns the run folder."""
-    lock = out / ".lock"
-    if lock.exists():
-        try:
-            info = json.loads(lock.read_text())
-        except (OSError, json.JSONDecodeError):
-            info = {}
-        pid = info.get("pid")
-        if pid and info.get("host") == socket.gethostname() and _pid_alive(int(pid)) and int(pid) != os.getpid():
-            raise UserError(f"another run (pid {pid}, started {info.get('started', '?')}) is using this folder",
-                            file=str(out))
-    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                "started": datetime.now().isoformat(timespec="seconds")}))
+    """Hold ``out/.lock`` (an flock naming this process) while a run writes the folder."""
+    path = Path(out) / LOCK
+    try:
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise _busy(out, _lock_info(path)) from None
+            try:  # the previous holder may have unlinked the file between our open and flock
+                if os.path.samestat(os.fstat(fd), os.stat(path)):
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "started": datetime.now().isoformat(timespec="seconds")})
+        os.ftruncate(fd, 0)
+        os.write(fd, record.encode())
+    except OSError as e:
+        raise UserError(f"cannot write to the output folder ({e.strerror or e})", file=str(out)) from None
     try:
         yield
     finally:
-        lock.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # before unlocking: a waiter that opened it sees a stale inode
+        os.close(fd)
+
+
+def _leftover(p: Path) -> bool:
+    """Files a run that was killed before it started may leave: a free lock, temporary files."""
+    from .checkpoint import TEMP
+
+    return p.is_file() and (p.name == LOCK or bool(TEMP.match(p.name)))
 
 
 def prepare_out(out: Optional[Path], recipe_path: str, overwrite: bool) -> Path:
@@ -129,25 +208,27 @@ def prepare_out(out: Optional[Path], recipe_path: str, overwrite: bool) -> Path:
         out = Path("runs") / f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and not out.is_dir():
         raise UserError("--out exists and is not a folder", file=str(out))
-    if out.exists() and any(out.iterdir()):
-        lock = out / ".lock"
-        if lock.exists():
-            try:
-                pid = json.loads(lock.read_text()).get("pid")
-            except (OSError, json.JSONDecodeError):
-                pid = None
-            if pid and _pid_alive(int(pid)):
-                raise UserError(f"another run (pid {pid}) is using this folder", file=str(out))
-        if not overwrite:
-            raise UserError("the output folder already holds a run; pass --overwrite to replace it, "
-                            "or `dpreg resume` it", file=str(out))
+    if out.is_dir():
+        holder = lock_holder(out)
+        if holder is not None:
+            raise _busy(out, holder)
+        try:
+            entries = list(out.iterdir())
+        except OSError as e:
+            raise UserError(f"cannot read the output folder ({e.strerror or e})", file=str(out)) from None
+        if not all(_leftover(p) for p in entries) and not overwrite:
+            hint = "`dpreg resume` it" if (out / "recipe.json").exists() else "choose another folder"
+            raise UserError(f"the output folder is not empty; pass --overwrite to replace what it holds, or {hint}",
+                            file=str(out))
     return out
 
 
 def _writable(out: Path) -> None:
+    from .checkpoint import temp_path
+
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".probe"
+        probe = temp_path(out / "probe")
         probe.write_text("")
         probe.unlink()
     except OSError as e:
@@ -243,6 +324,8 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
     """Train privately with RECIPE; writes metrics.jsonl, summary.json and checkpoints/ under --out."""
     from .engine import Run, start_run
 
+    if nproc < 1:
+        fail(UserError("--nproc must be at least 1"))
     if nproc > 1:
         _relaunch(nproc)
     _quiet_libraries()
@@ -271,6 +354,7 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
             summary = _train(run_, quiet or not rank0)
     if rank0:
         _print_summary(summary, out_dir)
+    _exit_if_stopped(run_, out_dir)
 
 
 @contextmanager
@@ -290,6 +374,8 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
         rank0 = comm is None or comm.rank == 0
         if not run_dir.is_dir():
             raise UserError("run folder not found", file=str(run_dir))
+        if not (run_dir / "recipe.json").exists():
+            raise UserError("not a dpregistry run folder (no recipe.json)", file=str(run_dir))
         with run_lock(run_dir) if rank0 else _nothing():
             r = resume_run(run_dir, comm=comm, warn=lambda m: err.print(escape(m), style="yellow") if rank0 else None)
             if r.algorithm.done(r):
@@ -300,6 +386,29 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
                 summary = _train(r, quiet or not rank0)
     if rank0:
         _print_summary(summary, run_dir)
+    _exit_if_stopped(r, run_dir)
+
+
+def _exit_if_stopped(run_, out: Path | None) -> None:
+    """A run stopped by a signal exits 128 + the signal (as shells report it); one stopped by the
+    non-finite limit exits 1. Both wrote a final checkpoint; `dpreg resume` continues them."""
+    if run_.stop_signal is not None:
+        raise typer.Exit(128 + int(run_.stop_signal))
+    if run_.stop_reason and run_.nonfinite_steps > run_.recipe.train.max_nonfinite_steps:
+        say_error(f"{out}: {run_.stop_reason}; the final checkpoint is written")
+        raise typer.Exit(1)
+
+
+@app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="folder of a run (finished or interrupted)")]):
+    """Write RUN_DIR/report/: report.md (privacy, metrics, versions) and PNG plots of the training
+    loss, the held-out metrics and ε spent against steps."""
+    from .report import write_report
+
+    with user_errors():
+        written = write_report(run_dir)
+    for p in written:
+        console.print(str(p), highlight=False)
 
 
 @app.command()
@@ -451,8 +560,9 @@ def privacy_report(run_dir: Path,
     if as_json:
         print(json.dumps(rep, default=str, indent=2))
         return
+    spent = "no (ε, δ) budget" if rep["epsilon"] is None else f"ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g}"
     console.print(f"accountant [bold]{rep['accountant']}[/] ({rep['notion']}, {rep['relation'].replace('_', '-')}), "
-                  f"ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g} after {rep['step']} steps"
+                  f"{spent} after {rep['step']} steps"
                   + (f" (budget {rep['target_epsilon']:g})" if rep.get("target_epsilon") else ""))
     t = Table("steps", "count", "partition", "event")
     for e in rep["ledger"]:
