@@ -14,12 +14,13 @@ import hashlib
 import json
 import os
 import re
+import struct
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .errors import UserError
 
@@ -103,6 +104,40 @@ def remove_stale_temps(folder: Path) -> list[Path]:
     return stale
 
 
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
+                     ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        _ST_DTYPES[getattr(torch, _name)] = _code
+
+
+def write_safetensors(f, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Stream ``tensors`` to the open binary file ``f`` in the safetensors format, one tensor at a
+    time (no second copy of the model in memory). I/O errors surface as the OSError of the write
+    (ENOSPC, EROFS, ...), which safetensors' own writer hides behind its own error type and
+    temporary file. Format: u64 header length, JSON header padded to 8 bytes, tensor bytes."""
+    if sys.byteorder != "little":  # pragma: no cover
+        raise RuntimeError("safetensors files are little-endian")
+    items = sorted(tensors.items())
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for k, t in items:
+        if t.dtype not in _ST_DTYPES:
+            raise TypeError(f"{k}: dtype {t.dtype} cannot be stored in safetensors")
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write(struct.pack("<Q", len(raw)))
+    f.write(raw)
+    for _, t in items:
+        if t.numel():
+            f.write(memoryview(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))
+
+
 def write_atomic(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """Write to a temporary file in the same folder, fsync, rename, fsync the folder."""
     path = Path(path)
@@ -110,9 +145,10 @@ def write_atomic(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, A
     meta["checksum"] = tensor_digest(tensors, meta)
     tmp = temp_path(path)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={META_KEY: json.dumps(meta, sort_keys=True)})
-        with open(tmp, "rb+") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            write_safetensors(f, tensors, {META_KEY: json.dumps(meta, sort_keys=True)})
+            f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
