@@ -277,11 +277,12 @@ class Run:
                 # so a resumed run logs exactly the rows of an uninterrupted one.
                 last = self.step >= self.total_steps or result.done
                 saved = False
-                if self.step % self.recipe.train.log_every == 0 or last:
+                ev = self.recipe.train.eval_every
+                evaluate = bool(ev) and self.step % ev == 0
+                if self.step % self.recipe.train.log_every == 0 or last or evaluate:
                     row = self._log_row(window, t0)
                     window.clear()
-                    ev = self.recipe.train.eval_every
-                    if ev and self.step % ev == 0:
+                    if evaluate:
                         row.update({f"eval/{k}": v for k, v in self.objective.evaluate().items()})
                         if self.rng.secure_noise and not last:
                             # Held-out metrics reveal this step's releases. With secure noise a resume
