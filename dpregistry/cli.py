@@ -46,7 +46,7 @@ class OneLineErrors(TyperGroup):
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _NoArgsIsHelp as e:
             e.show()
-            sys.exit(0)
+            sys.exit(e.exit_code)
         except _ClickException as e:
             ctx = getattr(e, "ctx", None)
             where = f"{ctx.command_path}: " if ctx is not None else ""
@@ -401,8 +401,7 @@ def _exit_if_stopped(run_, out: Path | None) -> None:
 
 @app.command()
 def report(run_dir: Annotated[Path, typer.Argument(help="folder of a run (finished or interrupted)")]):
-    """Write RUN_DIR/report/: report.md (privacy, metrics, versions) and PNG plots of the training
-    loss, the held-out metrics and ε spent against steps."""
+    """Write RUN_DIR/report/: report.md and PNG plots (training loss, held-out metrics, ε spent)."""
     from .report import write_report
 
     with user_errors():
