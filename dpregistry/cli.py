@@ -1,10 +1,13 @@
 """``dpreg``: run, resume, validate and inspect private training recipes.
 
-Bad input of any kind prints one line and exits with code 2, and writes nothing.
+Bad input of any kind prints one line and exits with code 2, and writes nothing. A run stopped by
+SIGINT/SIGTERM exits 128 + the signal, one stopped at the non-finite limit exits 1; both wrote a
+final checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import math
@@ -176,6 +179,10 @@ def run_lock(out: Path):
             except BlockingIOError:
                 os.close(fd)
                 raise _busy(out, _lock_info(path)) from None
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                break  # a file system without locks: the record still names the owner
             try:  # the previous holder may have unlinked the file between our open and flock
                 if os.path.samestat(os.fstat(fd), os.stat(path)):
                     break

@@ -259,7 +259,7 @@ class Run:
                 except BudgetExhausted as e:
                     self.stop_reason = f"privacy budget exhausted at step {self.step}: {e}"
                     break
-                except torch.OutOfMemoryError:
+                except _OUT_OF_MEMORY:
                     # Nothing of this step reaches the disk; the newest checkpoint stays the state.
                     raise UserError(f"out of memory in step {self.step}; lower train.micro_batch_size (the "
                                     f"physical batch), then `dpreg resume` continues from the last checkpoint",
@@ -409,7 +409,10 @@ class Run:
         try:
             yield
         except OSError as e:
-            newest = ckpt.list_checkpoints(self.out_dir / "checkpoints") if self.out_dir else []
+            try:
+                newest = ckpt.list_checkpoints(self.out_dir / "checkpoints") if self.out_dir else []
+            except OSError:
+                newest = []
             kept = (f"the last good checkpoint (step {newest[-1][0]}) is kept; free space or fix the folder, "
                     f"then `dpreg resume {self.out_dir}`") if newest else "no checkpoint was written"
             raise UserError(f"cannot write {getattr(e, 'filename', None) or path} ({e.strerror or e}); {kept}",
@@ -469,6 +472,8 @@ class Run:
             for s, h in old.items():
                 signal.signal(s, h)
 
+
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
 SECTION_OF = {kind: section for section, kind in SECTIONS.items()} | {"algorithm": "algorithm"}
 

@@ -384,3 +384,36 @@ def test_fuzzed_recipes_that_load_also_prepare_or_give_a_user_error(recipe, tmp_
         event("prepared")
     except UserError as e:
         event(f"refused: {e.key}")
+
+
+def test_nan_that_a_stage_schema_coerces_from_a_string_is_refused(tmp_path):
+    """A plugin's unconstrained float accepts the string "nan" (pydantic turns it into NaN): the
+    recipe loader checks the validated values too."""
+    from dpregistry import StageParams, UpdateRule, hookimpl
+    from dpregistry.errors import UserError
+    from dpregistry.recipe import load
+    from dpregistry.registry import Registry
+
+    class LooseParams(StageParams):
+        lr: float = 0.1
+        beta: float = 0.5  # no range: NaN passes pydantic
+
+    class Loose(UpdateRule):
+        """An update rule with an unconstrained float."""
+
+        name = "loose_sgd"
+        Params = LooseParams
+
+    class Plugin:
+        @hookimpl
+        def dpreg_register_update_rules(self, register):
+            register(Loose)
+
+    reg = Registry().load_entry_points()
+    reg.add_plugin(Plugin(), origin="test 0 (test)")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(BASE.replace("update: {lr: 0.1}", "update: {name: loose_sgd, beta: 0.5}"))
+    assert load(path, registry=reg).data["update"]["beta"] == 0.5
+    with pytest.raises(UserError) as e:
+        load(path, ["update.beta=nan"], registry=reg)
+    assert e.value.key == "update.beta" and e.value.file == "--set" and "NaN" in e.value.message
