@@ -80,9 +80,12 @@ def reference(tmp_path_factory):
         recipe = root / f"{name}.yaml"
         recipe.write_text(text.format(steps=steps_for(KILLS)))
         t0 = time.time()
-        code = crashkit.run_to_end(["run", recipe, "--out", root / name, "-q"], root / f"{name}.log")
-        assert code == 0, (root / f"{name}.log").read_text()[-3000:]
-        out[name] = (recipe, root / name, time.time() - t0)
+        child = crashkit.launch(["run", recipe, "--out", root / name, "-q"], root / f"{name}.log")
+        step0 = ckpt.checkpoint_path(root / name / "checkpoints", 0)
+        crashkit.wait_for(lambda: step0.exists() or child.poll() is not None, 300, 0.002)
+        startup = time.time() - t0  # imports done in the fork server: the recipe, data, model, step 0
+        assert child.wait(300) == 0, child.output()[-3000:]
+        out[name] = (recipe, root / name, time.time() - t0, startup)
     return out
 
 
@@ -115,17 +118,17 @@ def newest_step(out: Path) -> int:
     return cks[-1][0] if cks else -1
 
 
-def kill_and_resume(name: str, recipe: Path, ref_seconds: float, steps: int, out: Path, kills: int,
-                    seed: int) -> dict:
+def kill_and_resume(name: str, recipe: Path, ref_seconds: float, startup: float, steps: int, out: Path,
+                    kills: int, seed: int) -> dict:
     """Start the run and SIGKILL it ``kills`` times, restarting it each time the way a user would.
 
-    Kills cycle through three kinds of moment: a random time in the first part of a launch (start-up,
-    the recipe and the step-0 checkpoint), a random point of training (a random step ahead, plus a
+    Kills cycle through three kinds of moment: a random time around start-up (loading the recipe,
+    data and model, writing recipe.json and the step-0 checkpoint, restoring one), a random point of training (a random step ahead, plus a
     random fraction of a few steps, so it lands anywhere in a step, a log write or a checkpoint),
     and right inside a checkpoint write (the moment its temporary file appears)."""
     rnd = random.Random(seed)
-    stats = dict(kills=0, kills_in_checkpoint_write=0, kills_before_first_checkpoint=0, checkpoints_verified=0,
-                 torn_metric_rows=0, launches=0)
+    stats = dict(kills=0, kills_in_checkpoint_write=0, kills_in_startup=0, kills_before_first_checkpoint=0,
+                 checkpoints_verified=0, torn_metric_rows=0, launches=0)
     log = out.parent / f"{out.name}.log"
     step_seconds = ref_seconds / steps
     attempts = 0
@@ -137,7 +140,7 @@ def kill_and_resume(name: str, recipe: Path, ref_seconds: float, steps: int, out
         stats["launches"] += 1
         kind = stats["kills"] % 3
         if kind == 0:
-            time.sleep(rnd.uniform(0, ref_seconds * 0.3))
+            time.sleep(rnd.uniform(0, startup * 1.5))
         elif kind == 1:
             here = max(newest_step(out), 0)
             ahead = max(1, (steps - here) // (kills - stats["kills"] + 1))
@@ -148,9 +151,11 @@ def kill_and_resume(name: str, recipe: Path, ref_seconds: float, steps: int, out
             time.sleep(rnd.uniform(0, step_seconds * 4))
             crashkit.wait_for(lambda: crashkit.checkpoint_temps(out) or child.poll() is not None, 120)
         before_first = newest_step(out) < 0
+        in_startup = time.time() - child.started < startup  # loading, restoring, before the first step
         if child.kill():
             stats["kills"] += 1
             stats["kills_before_first_checkpoint"] += before_first
+            stats["kills_in_startup"] += in_startup
             check_after_kill(out, stats)
         else:
             code = child.poll()
@@ -167,8 +172,8 @@ def kill_and_resume(name: str, recipe: Path, ref_seconds: float, steps: int, out
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_sigkill_at_random_moments_then_resume_is_bit_identical(name, reference, tmp_path):
-    recipe, ref_out, ref_seconds = reference[name]
-    stats = kill_and_resume(name, recipe, ref_seconds, steps_for(KILLS), tmp_path / "run", KILLS,
+    recipe, ref_out, ref_seconds, startup = reference[name]
+    stats = kill_and_resume(name, recipe, ref_seconds, startup, steps_for(KILLS), tmp_path / "run", KILLS,
                             seed=zlib.crc32(name.encode()))
     print(f"\n{name}: {stats}")
     assert stats["kills"] == KILLS, stats
@@ -177,7 +182,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(name, reference,
 
 def test_kill_inside_a_checkpoint_write_leaves_the_previous_checkpoint(reference, tmp_path):
     """Aimed kills: the process dies between creating the temporary file and renaming it."""
-    recipe, ref_out, ref_seconds = reference["first_order"]
+    recipe, ref_out, ref_seconds, _ = reference["first_order"]
     out = tmp_path / "run"
     log = tmp_path / "run.log"
     hits = 0
@@ -205,7 +210,7 @@ def test_kill_inside_a_checkpoint_write_leaves_the_previous_checkpoint(reference
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_sigint_and_sigterm_write_a_checkpoint_and_exit_cleanly(sig, reference, tmp_path):
-    recipe, ref_out, _ = reference["first_order"]
+    recipe, ref_out, _, _ = reference["first_order"]
     out, log = tmp_path / "run", tmp_path / "run.log"
     child = crashkit.launch(["run", recipe, "--out", out], log)
     assert crashkit.wait_for(lambda: any(s >= 4 for s, _ in ckpt.list_checkpoints(out / "checkpoints")), 120, 0.005)
@@ -226,7 +231,7 @@ def test_sigint_and_sigterm_write_a_checkpoint_and_exit_cleanly(sig, reference, 
 def test_a_second_run_on_the_same_folder_is_refused_naming_the_first(reference, tmp_path):
     from test_core_cli import dpreg
 
-    recipe, _, _ = reference["first_order"]
+    recipe, _, _, _ = reference["first_order"]
     out, log = tmp_path / "run", tmp_path / "run.log"
     first = crashkit.launch(["run", recipe, "--out", out, "-q"], log)
     try:
@@ -248,7 +253,7 @@ def test_a_second_run_on_the_same_folder_is_refused_naming_the_first(reference, 
 
 def test_a_real_dpreg_process_killed_and_resumed(reference, tmp_path):
     """Once through `python -m dpregistry` itself (no fork server), as a user starts it."""
-    recipe, ref_out, _ = reference["zeroth_order"]
+    recipe, ref_out, _, _ = reference["zeroth_order"]
     out, log = tmp_path / "run", tmp_path / "run.log"
     child = crashkit.launch(["run", recipe, "--out", out, "-q"], log, exec_=True)
     assert crashkit.wait_for(lambda: any(s >= 2 for s, _ in ckpt.list_checkpoints(out / "checkpoints"))
