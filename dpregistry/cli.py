@@ -359,6 +359,7 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
         with run_lock(out_dir) if rank0 else _nothing():
             run_ = start_run(prepared, out_dir)
             summary = _train(run_, quiet or not rank0)
+        _leave(comm)
     if rank0:
         _print_summary(summary, out_dir)
     _exit_if_stopped(run_, out_dir)
@@ -367,6 +368,18 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
 @contextmanager
 def _nothing():
     yield
+
+
+def _leave(comm) -> None:
+    """Ranks leave together (rank 0 has written the outputs) and tear the process group down
+    before interpreter shutdown does: a rank that exits while a peer still works can abort in
+    gloo's threads ("terminate called without an active exception")."""
+    if comm is None:
+        return
+    import torch.distributed as dist
+
+    comm.barrier()
+    dist.destroy_process_group()
 
 
 @app.command()
@@ -391,6 +404,7 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
                 summary = r.finish(time.time())
             else:
                 summary = _train(r, quiet or not rank0)
+        _leave(comm)
     if rank0:
         _print_summary(summary, run_dir)
     _exit_if_stopped(r, run_dir)
