@@ -2,7 +2,8 @@
 
 A checkpoint holds tensors (trainable parameters, stage state, RNG state) and one metadata entry,
 ``dpregistry``, with JSON: the step, the resolved recipe and its hash, the non-tensor stage state
-(the privacy ledger among it), the library version and a SHA-256 of all tensor bytes. A file
+(the privacy ledger among it), the library version and a SHA-256 of all tensor bytes and of the
+metadata itself (a flipped bit in the ledger would otherwise under-charge a resumed run). A file
 whose checksum does not match (a torn write, a flipped bit) is refused, and the run falls back
 to the previous checkpoint.
 """
@@ -13,12 +14,13 @@ import hashlib
 import json
 import os
 import re
+import struct
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .errors import UserError
 
@@ -30,8 +32,11 @@ class CorruptCheckpoint(Exception):
     pass
 
 
-def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
+def tensor_digest(tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> str:
+    """SHA-256 of every tensor (name, dtype, shape, bytes) and of the metadata without its checksum."""
     h = hashlib.sha256()
+    if meta is not None:
+        h.update(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
     for k in sorted(tensors):
         t = tensors[k].detach().contiguous().cpu()
         h.update(k.encode())
@@ -80,15 +85,70 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def temp_path(path: Path) -> Path:
+    """Where :func:`write_atomic` writes ``path`` before renaming it (hidden, per process)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+TEMP = re.compile(r"^\..+\.tmp(-\d+)?$")
+
+
+def remove_stale_temps(folder: Path) -> list[Path]:
+    """Delete temporary files that a killed writer left in ``folder`` (call it holding the run lock)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    stale = [p for p in folder.iterdir() if TEMP.match(p.name) and p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
+                     ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        _ST_DTYPES[getattr(torch, _name)] = _code
+
+
+def write_safetensors(f, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Stream ``tensors`` to the open binary file ``f`` in the safetensors format, one tensor at a
+    time (no second copy of the model in memory). I/O errors surface as the OSError of the write
+    (ENOSPC, EROFS, ...), which safetensors' own writer hides behind its own error type and
+    temporary file. Format: u64 header length, JSON header padded to 8 bytes, tensor bytes."""
+    if sys.byteorder != "little":  # pragma: no cover
+        raise RuntimeError("safetensors files are little-endian")
+    items = sorted(tensors.items())
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for k, t in items:
+        if t.dtype not in _ST_DTYPES:
+            raise TypeError(f"{k}: dtype {t.dtype} cannot be stored in safetensors")
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write(struct.pack("<Q", len(raw)))
+    f.write(raw)
+    for _, t in items:
+        if t.numel():
+            f.write(memoryview(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))
+
+
 def write_atomic(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """Write to a temporary file in the same folder, fsync, rename, fsync the folder."""
     path = Path(path)
-    meta = dict(meta, checksum=tensor_digest(tensors))
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    meta = json.loads(json.dumps(meta))  # exactly what a reader will see (tuples become lists)
+    meta["checksum"] = tensor_digest(tensors, meta)
+    tmp = temp_path(path)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={META_KEY: json.dumps(meta, sort_keys=True)})
-        with open(tmp, "rb+") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            write_safetensors(f, tensors, {META_KEY: json.dumps(meta, sort_keys=True)})
+            f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
@@ -107,8 +167,13 @@ def read(path: Path, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict
         raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
     if raw is None:
         raise CorruptCheckpoint(f"{path}: not a dpregistry checkpoint (no metadata)")
-    meta = json.loads(raw)
-    if verify and meta.get("checksum") != tensor_digest(tensors):
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        raise CorruptCheckpoint(f"{path}: unreadable metadata") from None
+    if not isinstance(meta, dict):
+        raise CorruptCheckpoint(f"{path}: unreadable metadata")
+    if verify and meta.get("checksum") != tensor_digest(tensors, meta):
         raise CorruptCheckpoint(f"{path}: checksum mismatch")
     return tensors, meta
 

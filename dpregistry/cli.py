@@ -1,10 +1,13 @@
 """``dpreg``: run, resume, validate and inspect private training recipes.
 
-Bad input of any kind prints one line and exits with code 2, and writes nothing.
+Bad input of any kind prints one line and exits with code 2, and writes nothing. A run stopped by
+SIGINT/SIGTERM exits 128 + the signal, one stopped at the non-finite limit exits 1; both wrote a
+final checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -21,10 +24,48 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
 from .errors import UserError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: the lock record names the owner, nothing enforces it
+    fcntl = None
+
+
+# click's exceptions, from whichever click typer uses (recent typer vendors its own copy)
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_click_exceptions = sys.modules[_ClickException.__module__]
+_NoArgsIsHelp = getattr(_click_exceptions, "NoArgsIsHelpError", ())
+_ClickAbort = getattr(_click_exceptions, "Abort", ())
+
+
+class OneLineErrors(TyperGroup):
+    """Usage errors (an unknown option, a missing argument, a bad value) print one line and exit 2,
+    like every other bad input, instead of click's usage box."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        prog_name = "dpreg"  # also under `python -m dpregistry` and in tests
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _NoArgsIsHelp as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except _ClickException as e:
+            ctx = getattr(e, "ctx", None)
+            where = f"{ctx.command_path}: " if ctx is not None else ""
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            say_error(f"{where}{e.format_message()}{hint}")
+            sys.exit(2)
+        except _ClickAbort:
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="dpregistry: differentially private optimizers as plugins.")
 privacy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Privacy accounting tools.")
 app.add_typer(privacy_app, name="privacy")
@@ -88,35 +129,91 @@ def load_recipe(path: str, sets):
 # ------------------------------------------------------------------------------------------
 
 
-def _pid_alive(pid: int) -> bool:
+LOCK = ".lock"
+
+
+def _lock_info(path: Path) -> dict:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _busy(out: Path, info: dict) -> UserError:
+    host = info.get("host")
+    on = f" on {host}" if host and host != socket.gethostname() else ""
+    return UserError(f"another run (pid {info.get('pid', '?')}{on}, started {info.get('started', '?')}) is using "
+                     f"this folder; wait for it to finish or stop it first", file=str(out))
+
+
+def lock_holder(out: Path) -> dict | None:
+    """The lock record of the live process that holds ``out``, or None.
+
+    The lock is an flock on ``out/.lock``: the kernel releases it when its process dies, even by
+    SIGKILL, so a lock file left behind by a killed run never blocks the folder."""
+    path = Path(out) / LOCK
+    if fcntl is None:  # pragma: no cover
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return _lock_info(path) or {}
+    except OSError:  # a file system without locks
+        os.close(fd)
+        return None
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    return None
 
 
 @contextmanager
 def run_lock(out: Path):
-    """A lock file naming the process that owns the run folder."""
-    lock = out / ".lock"
-    if lock.exists():
-        try:
-            info = json.loads(lock.read_text())
-        except (OSError, json.JSONDecodeError):
-            info = {}
-        pid = info.get("pid")
-        if pid and info.get("host") == socket.gethostname() and _pid_alive(int(pid)) and int(pid) != os.getpid():
-            raise UserError(f"another run (pid {pid}, started {info.get('started', '?')}) is using this folder",
-                            file=str(out))
-    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                "started": datetime.now().isoformat(timespec="seconds")}))
+    """Hold ``out/.lock`` (an flock naming this process) while a run writes the folder."""
+    path = Path(out) / LOCK
+    try:
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            if fcntl is None:  # pragma: no cover
+                break
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise _busy(out, _lock_info(path)) from None
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                break  # a file system without locks: the record still names the owner
+            try:  # the previous holder may have unlinked the file between our open and flock
+                if os.path.samestat(os.fstat(fd), os.stat(path)):
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "started": datetime.now().isoformat(timespec="seconds")})
+        os.ftruncate(fd, 0)
+        os.write(fd, record.encode())
+    except OSError as e:
+        raise UserError(f"cannot write to the output folder ({e.strerror or e})", file=str(out)) from None
     try:
         yield
     finally:
-        lock.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # before unlocking: a waiter that opened it sees a stale inode
+        os.close(fd)
+
+
+def _leftover(p: Path) -> bool:
+    """Files a run that was killed before it started may leave: a free lock, temporary files."""
+    from .checkpoint import TEMP
+
+    return p.is_file() and (p.name == LOCK or bool(TEMP.match(p.name)))
 
 
 def prepare_out(out: Optional[Path], recipe_path: str, overwrite: bool) -> Path:
@@ -125,25 +222,27 @@ def prepare_out(out: Optional[Path], recipe_path: str, overwrite: bool) -> Path:
         out = Path("runs") / f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and not out.is_dir():
         raise UserError("--out exists and is not a folder", file=str(out))
-    if out.exists() and any(out.iterdir()):
-        lock = out / ".lock"
-        if lock.exists():
-            try:
-                pid = json.loads(lock.read_text()).get("pid")
-            except (OSError, json.JSONDecodeError):
-                pid = None
-            if pid and _pid_alive(int(pid)):
-                raise UserError(f"another run (pid {pid}) is using this folder", file=str(out))
-        if not overwrite:
-            raise UserError("the output folder already holds a run; pass --overwrite to replace it, "
-                            "or `dpreg resume` it", file=str(out))
+    if out.is_dir():
+        holder = lock_holder(out)
+        if holder is not None:
+            raise _busy(out, holder)
+        try:
+            entries = list(out.iterdir())
+        except OSError as e:
+            raise UserError(f"cannot read the output folder ({e.strerror or e})", file=str(out)) from None
+        if not all(_leftover(p) for p in entries) and not overwrite:
+            hint = "`dpreg resume` it" if (out / "recipe.json").exists() else "choose another folder"
+            raise UserError(f"the output folder is not empty; pass --overwrite to replace what it holds, or {hint}",
+                            file=str(out))
     return out
 
 
 def _writable(out: Path) -> None:
+    from .checkpoint import temp_path
+
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".probe"
+        probe = temp_path(out / "probe")
         probe.write_text("")
         probe.unlink()
     except OSError as e:
@@ -241,6 +340,8 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
     """Train privately with RECIPE; writes metrics.jsonl, summary.json and checkpoints/ under --out."""
     from .engine import Run, start_run
 
+    if nproc < 1:
+        fail(UserError("--nproc must be at least 1"))
     if nproc > 1:
         _relaunch(nproc)
     _quiet_libraries()
@@ -267,13 +368,27 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
         with run_lock(out_dir) if rank0 else _nothing():
             run_ = start_run(prepared, out_dir)
             summary = _train(run_, quiet or not rank0)
+        _leave(comm)
     if rank0:
         _print_summary(summary, out_dir)
+    _exit_if_stopped(run_, out_dir)
 
 
 @contextmanager
 def _nothing():
     yield
+
+
+def _leave(comm) -> None:
+    """Ranks leave together (rank 0 has written the outputs) and tear the process group down
+    before interpreter shutdown does: a rank that exits while a peer still works can abort in
+    gloo's threads ("terminate called without an active exception")."""
+    if comm is None:
+        return
+    import torch.distributed as dist
+
+    comm.barrier()
+    dist.destroy_process_group()
 
 
 @app.command()
@@ -288,6 +403,8 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
         rank0 = comm is None or comm.rank == 0
         if not run_dir.is_dir():
             raise UserError("run folder not found", file=str(run_dir))
+        if not (run_dir / "recipe.json").exists():
+            raise UserError("not a dpregistry run folder (no recipe.json)", file=str(run_dir))
         with run_lock(run_dir) if rank0 else _nothing():
             r = resume_run(run_dir, comm=comm, warn=lambda m: err.print(escape(m), style="yellow") if rank0 else None)
             if r.algorithm.done(r):
@@ -296,8 +413,31 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
                 summary = r.finish(time.time())
             else:
                 summary = _train(r, quiet or not rank0)
+        _leave(comm)
     if rank0:
         _print_summary(summary, run_dir)
+    _exit_if_stopped(r, run_dir)
+
+
+def _exit_if_stopped(run_, out: Path | None) -> None:
+    """A run stopped by a signal exits 128 + the signal (as shells report it); one stopped by the
+    non-finite limit exits 1. Both wrote a final checkpoint; `dpreg resume` continues them."""
+    if run_.stop_signal is not None:
+        raise typer.Exit(128 + int(run_.stop_signal))
+    if run_.stop_reason and run_.nonfinite_steps > run_.recipe.train.max_nonfinite_steps:
+        say_error(f"{out}: {run_.stop_reason}; the final checkpoint is written")
+        raise typer.Exit(1)
+
+
+@app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="folder of a run (finished or interrupted)")]):
+    """Write RUN_DIR/report/: report.md and PNG plots (training loss, held-out metrics, ε spent)."""
+    from .report import write_report
+
+    with user_errors():
+        written = write_report(run_dir)
+    for p in written:
+        console.print(str(p), highlight=False)
 
 
 @app.command()

@@ -26,7 +26,7 @@ from . import checkpoint as ckpt
 from .directions import Direction
 from .errors import BudgetExhausted, RunStopped, UserError
 from .privacy.accountant import Budget
-from .recipe import Recipe, recipe_hash, resolve
+from .recipe import SECTIONS, Recipe, recipe_hash, resolve
 from .registry import get_registry
 from .rng import RunRNG
 from .stages import Charge, ClippedSum, Release
@@ -81,14 +81,20 @@ class Run:
         self.budget = Budget(p.epsilon, p.delta, p.rho, p.relation)
         self.relation = p.relation
         self.rng = RunRNG(recipe.seed, p.secure_noise)
-        self.device = torch.device(recipe.train.device)
+        try:
+            self.device = torch.device(recipe.train.device)
+        except RuntimeError as e:
+            raise UserError(f"not a torch device ({str(e).splitlines()[0]})", file=recipe.source,
+                            **_key(recipe, "train", "device")) from None
         self.step = 0
         self.stop_reason: str | None = None
+        self.stop_signal: int | None = None  # the signal that stopped the run (the CLI exits 128 + it)
         self.nonfinite_steps = 0
         self.displacement: Displacement | None = None
         self._noise_calls = 0
         self._bytes_logged = 0
         self._iterate_snapshot: dict[str, torch.Tensor] | None = None
+        self._log_window: list[dict[str, Any]] = []
         self.history: list[dict[str, Any]] = []
 
         def make(kind):
@@ -121,8 +127,21 @@ class Run:
         return self.algorithm.total_steps(self)
 
     def prepare(self) -> "Run":
-        """Load data and model, bind stages, calibrate noise and check the plan against the budget."""
+        """Load data and model, bind stages, calibrate noise and check the plan against the budget.
+
+        A UserError that a stage raises without a file is located in the recipe (file, line, key)."""
+        self._section: str | None = None
+        try:
+            _check_device(self.device, self.recipe)
+            self._prepare_stages()
+        except UserError as e:
+            raise _locate(e, self.recipe, self._section)
+        return self
+
+    def _prepare_stages(self) -> None:
+        self._section = "objective"
         self.objective.setup(self)
+        self._section = None
         n = self.objective.n_train
         if n <= 0:
             raise UserError("the training data set is empty", file=self.recipe.source, key="data")
@@ -134,20 +153,22 @@ class Run:
         if not self.params:
             raise UserError("the model has no trainable parameters", file=self.recipe.source,
                             key="objective")
-        for stage in self.stages.values():
+        for kind, stage in self.stages.items():
             if stage is not self.objective:
+                self._section = SECTION_OF[kind]
                 stage.setup(self)
-        for stage in self.stages.values():
+        for kind, stage in self.stages.items():
+            self._section = SECTION_OF[kind]
             stage.validate(self)
+        self._section = None
         self._calibrate_and_check()
-        return self
 
     def _calibrate_and_check(self) -> None:
         priv = self.privatizer
         if getattr(priv, "needs_calibration", False):
             if not (self.budget.epsilon and self.budget.delta) and self.budget.rho is None:
                 raise UserError("noise_multiplier: auto needs a privacy budget (privacy.epsilon and privacy.delta, or rho)",
-                                file=self.recipe.source, key="privatizer.noise_multiplier")
+                                file=self.recipe.source, **_key(self.recipe, "privatizer", "noise_multiplier"))
             z = self.accountant.calibrate(lambda z: self.algorithm.plan(self, z))
             priv.set_noise_multiplier(z)
         self.check_plan()
@@ -165,7 +186,7 @@ class Run:
                 spent = "the ledger so far and the rest of the plan" if self.accountant.ledger.entries else "the planned run"
                 raise UserError(f"{spent} spends {self.accountant.overspend(plan)}; raise the noise, lower the "
                                 f"steps or the sampling rate, or set privatizer.noise_multiplier: auto",
-                                file=self.recipe.source, key="privacy") from None
+                                file=self.recipe.source, **_key(self.recipe, "privacy")) from None
 
     # ------------------------------------------------------------------ step services
 
@@ -223,7 +244,7 @@ class Run:
     def train(self, progress: Callable | None = None) -> dict[str, Any]:
         t0 = time.time()
         rows: list[dict[str, Any]] = []
-        window: list[dict[str, float]] = []
+        window = self._log_window  # step metrics since the last row (restored by a resume)
         tau = self._random_iterate_step()
         with self._signals():
             while not self.algorithm.done(self):
@@ -237,6 +258,11 @@ class Run:
                 except BudgetExhausted as e:
                     self.stop_reason = f"privacy budget exhausted at step {self.step}: {e}"
                     break
+                except _OUT_OF_MEMORY:
+                    # Nothing of this step reaches the disk; the newest checkpoint stays the state.
+                    raise UserError(f"out of memory in step {self.step}; lower train.micro_batch_size (the "
+                                    f"physical batch), then `dpreg resume` continues from the last checkpoint",
+                                    file=self.recipe.source, **_key(self.recipe, "train", "micro_batch_size")) from None
                 finally:
                     self.undo_displacement()
                 self.step += 1
@@ -246,13 +272,23 @@ class Run:
                     if self.nonfinite_steps > self.recipe.train.max_nonfinite_steps:
                         self.stop_reason = (f"{self.nonfinite_steps} steps had non-finite losses or gradients "
                                             f"(train.max_nonfinite_steps = {self.recipe.train.max_nonfinite_steps})")
-                last = self.step >= self.total_steps or result.done or self.stop_reason
-                if self.step % self.recipe.train.log_every == 0 or last:
+                # A stop (signal, non-finite limit) logs no extra row: the open window is checkpointed,
+                # so a resumed run logs exactly the rows of an uninterrupted one.
+                last = self.step >= self.total_steps or result.done
+                saved = False
+                ev = self.recipe.train.eval_every
+                evaluate = bool(ev) and self.step % ev == 0
+                if self.step % self.recipe.train.log_every == 0 or last or evaluate:
                     row = self._log_row(window, t0)
-                    window = []
-                    ev = self.recipe.train.eval_every
-                    if ev and self.step % ev == 0:
+                    window.clear()
+                    if evaluate:
                         row.update({f"eval/{k}": v for k, v in self.objective.evaluate().items()})
+                        if self.rng.secure_noise and not last:
+                            # Held-out metrics reveal this step's releases. With secure noise a resume
+                            # redraws the noise of steps after its checkpoint, so checkpoint (and charge)
+                            # them before anything that depends on them is written.
+                            self.save_checkpoint()
+                            saved = True
                     rows.append(row)
                     self._append_metrics(row)
                 if progress:
@@ -261,7 +297,7 @@ class Run:
                 if self.comm.world_size > 1 and sc and (self.step % sc == 0 or last):
                     self.comm.check_replicas(self.params, self.step)
                 ce = self.recipe.train.checkpoint_every
-                if ce and self.step % ce == 0 and not last:
+                if ce and self.step % ce == 0 and not (last or saved or self.stop_reason):
                     self.save_checkpoint()
                 if result.done:
                     break
@@ -312,9 +348,10 @@ class Run:
                     self.params[k].copy_(v)
         metrics = self.objective.evaluate()
         if self.out_dir and self.comm.rank == 0:
-            ckpt.write_atomic(self.out_dir / "model.safetensors",
-                              {k: v.detach().cpu() for k, v in self.params.items()},
-                              {"step": self.step, "recipe_hash": self.recipe.hash})
+            with self._storage(self.out_dir / "model.safetensors"):
+                ckpt.write_atomic(self.out_dir / "model.safetensors",
+                                  {k: v.detach().cpu() for k, v in self.params.items()},
+                                  {"step": self.step, "recipe_hash": self.recipe.hash})
         spent = self.accountant.spent()
         summary = {
             "step": self.step,
@@ -333,7 +370,8 @@ class Run:
             "versions": versions(),
         }
         if self.out_dir and self.comm.rank == 0:
-            _write_json(self.out_dir / "summary.json", summary)
+            with self._storage(self.out_dir / "summary.json"):
+                _write_json(self.out_dir / "summary.json", summary)
         return summary
 
     # ------------------------------------------------------------------ checkpoints
@@ -349,6 +387,7 @@ class Run:
                 "version": __version__, "state": stage_state,
                 "noise_multiplier": getattr(self.privatizer, "noise_multiplier", None),
                 "nonfinite_steps": self.nonfinite_steps,
+                "log_window": [{k: v for k, v in m.items() if isinstance(v, (int, float))} for m in self._log_window],
                 "ledger": self.accountant.ledger.to_json()}
         return tensors, meta
 
@@ -356,16 +395,29 @@ class Run:
         if not self.out_dir or self.comm.rank != 0:
             return None
         folder = self.out_dir / "checkpoints"
-        folder.mkdir(parents=True, exist_ok=True)
         tensors, meta = self.state()
         path = ckpt.checkpoint_path(folder, self.step)
-        try:
+        with self._storage(path):
+            folder.mkdir(parents=True, exist_ok=True)
+            _fsync_file(self.out_dir / "metrics.jsonl")  # rows up to this step survive a power loss too
             ckpt.write_atomic(path, tensors, meta)
-        except OSError as e:
-            raise UserError(f"cannot write checkpoint {path} ({e.strerror or e}); the previous checkpoint is kept",
-                            file=str(folder)) from None
-        ckpt.prune(folder, self.recipe.train.keep_checkpoints)
+            ckpt.prune(folder, self.recipe.train.keep_checkpoints)
         return path
+
+    @contextmanager
+    def _storage(self, path: Path):
+        """A failed write (full disk, read-only or vanished folder) is one clear line, not a traceback."""
+        try:
+            yield
+        except OSError as e:
+            try:
+                newest = ckpt.list_checkpoints(self.out_dir / "checkpoints") if self.out_dir else []
+            except OSError:
+                newest = []
+            kept = (f"the last good checkpoint (step {newest[-1][0]}) is kept; free space or fix the folder, "
+                    f"then `dpreg resume {self.out_dir}`") if newest else "no checkpoint was written"
+            raise UserError(f"cannot write {getattr(e, 'filename', None) or path} ({e.strerror or e}); {kept}",
+                            file=str(self.out_dir or path)) from None
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         if meta["recipe_hash"] != self.recipe.hash:
@@ -379,6 +431,7 @@ class Run:
             s.load_state_dict(state.get(kind, {}))
         self.step = int(meta["step"])
         self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
+        self._log_window[:] = meta.get("log_window", [])  # the next row averages the same steps
         if meta.get("noise_multiplier") is not None and hasattr(self.privatizer, "set_noise_multiplier"):
             self.privatizer.set_noise_multiplier(meta["noise_multiplier"])
         it = {k[len("iterate/"):]: v for k, v in tensors.items() if k.startswith("iterate/")}
@@ -389,22 +442,24 @@ class Run:
 
     def _append_metrics(self, row: dict[str, Any]) -> None:
         if self.out_dir and self.comm.rank == 0:
-            with open(self.out_dir / "metrics.jsonl", "a") as f:
+            path = self.out_dir / "metrics.jsonl"
+            with self._storage(path), open(path, "a") as f:
                 f.write(json.dumps(row, default=_json_default) + "\n")
 
     def truncate_metrics(self) -> None:
-        """Drop metric rows logged after the checkpoint a resume starts from."""
+        """Drop metric rows logged after the checkpoint a resume starts from, and a row torn by a kill."""
         path = self.out_dir / "metrics.jsonl" if self.out_dir else None
         if path and path.exists():
-            rows = [line for line in path.read_text().splitlines() if line.strip()
-                    and json.loads(line).get("step", 0) <= self.step]
-            path.write_text("".join(r + "\n" for r in rows))
+            keep = [json.dumps(r, default=_json_default) for r in read_rows(path) if r.get("step", 0) <= self.step]
+            with self._storage(path):
+                _write_text(path, "".join(r + "\n" for r in keep))
 
     @contextmanager
     def _signals(self):
         """SIGINT/SIGTERM finish the current step, then write a checkpoint and exit cleanly."""
         def handler(signum, frame):
             self.stop_reason = f"stopped by {signal.Signals(signum).name}"
+            self.stop_signal = signum
 
         old = {}
         try:
@@ -417,6 +472,37 @@ class Run:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+
+
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+SECTION_OF = {kind: section for section, kind in SECTIONS.items()} | {"algorithm": "algorithm"}
+
+
+def _locate(e: UserError, recipe: Recipe, section: str | None) -> UserError:
+    """Give a stage's UserError the recipe's file and the line of its key (stages know only keys,
+    often relative to their own section: ``model.path`` of the objective)."""
+    if e.file is not None:
+        return e
+    e.file = recipe.source
+    parts = tuple(e.key.split(".")) if e.key else ()
+    candidates = [parts] if parts else []
+    if section and parts and parts[:1] != (section,):
+        candidates.insert(0, (section,) + parts)  # `model.path` of the objective: objective.model.path
+    for path in candidates:
+        if path and path in recipe.locs:
+            e.key, (e.file, e.line) = ".".join(path), recipe.locs[path]
+            return e
+    for path in candidates:  # the nearest enclosing key that the recipe wrote (or --set)
+        w = recipe.where(*path)
+        if "file" in w:
+            e.key, e.file, e.line = ".".join(path), w["file"], w["line"]
+            return e
+    if not parts and section:
+        e.key = section
+        w = recipe.where(section)
+        e.file, e.line = w.get("file", recipe.source), w.get("line")
+    return e
 
 
 def _key(recipe: Recipe, *path: str) -> dict[str, Any]:
@@ -432,10 +518,60 @@ def _json_default(o):
     return str(o)
 
 
+def _write_text(path: Path, text: str) -> None:
+    """Atomically: a temporary file, fsync, rename (a kill leaves the old file or the new one)."""
+    tmp = ckpt.temp_path(path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=_json_default))
-    os.replace(tmp, path)
+    _write_text(path, json.dumps(obj, indent=2, default=_json_default))
+
+
+def _fsync_file(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl; a line torn by a kill mid-write (always the last) is skipped."""
+    rows = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _check_device(device: torch.device, recipe: Recipe) -> None:
+    if device.type == "cpu":
+        return
+    mod = torch.backends.mps if device.type == "mps" else getattr(torch, device.type, None)
+    available = getattr(mod, "is_available", None)
+    if available is None or not available():
+        raise UserError(f"device {str(device)!r} is not available on this machine", file=recipe.source,
+                        **_key(recipe, "train", "device"))
+    count = getattr(mod, "device_count", lambda: 1)()
+    if device.index is not None and device.index >= count:
+        raise UserError(f"device {str(device)!r} does not exist ({count} {device.type} device(s) here)",
+                        file=recipe.source, **_key(recipe, "train", "device"))
 
 
 def versions() -> dict[str, str]:
@@ -464,9 +600,22 @@ def resume_run(out_dir: Path, *, comm=None, console=None, warn=print) -> Run:
                         "(a plugin changed its defaults); resuming would change the results", file=str(rpath))
     run = Run(recipe, out_dir, comm=comm, console=console)
     run.prepare()
-    found = ckpt.latest_valid(out_dir / "checkpoints", warn=warn)
+    folder = out_dir / "checkpoints"
+    if run.comm.rank == 0:
+        for d in (out_dir, folder):
+            ckpt.remove_stale_temps(d)
+    found = ckpt.latest_valid(folder, warn=warn)
     if found is None:
-        raise UserError("no valid checkpoint to resume from", file=str(out_dir / "checkpoints"))
+        logged = (out_dir / "metrics.jsonl").exists() and read_rows(out_dir / "metrics.jsonl")
+        if ckpt.list_checkpoints(folder) or logged:
+            # Steps were taken (and charged); starting over would reset the privacy ledger.
+            raise UserError("no valid checkpoint to resume from; the run took steps, so starting over would "
+                            "forget what they spent", file=str(folder))
+        # Killed before the step-0 checkpoint existed: no step ran, nothing was charged or released.
+        warn(f"warning: {out_dir} has no checkpoint (the run stopped before its first step); starting at step 0")
+        run.truncate_metrics()
+        run.save_checkpoint()
+        return run
     tensors, meta, _ = found
     run.load_state(tensors, meta)
     run.truncate_metrics()
@@ -477,8 +626,11 @@ def start_run(run: Run, out_dir: Path | None) -> Run:
     """Attach a prepared run to its output folder: the resolved recipe and a step-0 checkpoint."""
     run.out_dir = Path(out_dir) if out_dir else None
     if run.out_dir and run.comm.rank == 0:
-        run.out_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(run.out_dir / "recipe.json", {"recipe": run.recipe.data, "recipe_hash": run.recipe.hash,
-                                                  "source": run.recipe.source})
-        run.save_checkpoint()  # step 0: a resume never has to start from nothing
+        with run._storage(run.out_dir / "recipe.json"):
+            run.out_dir.mkdir(parents=True, exist_ok=True)
+            ckpt.remove_stale_temps(run.out_dir)
+            _write_json(run.out_dir / "recipe.json", {"recipe": run.recipe.data, "recipe_hash": run.recipe.hash,
+                                                      "source": run.recipe.source})
+        # Step 0, before any step: a kill before it leaves no step taken (resume starts over).
+        run.save_checkpoint()
     return run

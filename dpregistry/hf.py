@@ -33,8 +33,35 @@ def how_to_provide(hub_id: str) -> str:
             f"(or point HF_HOME at a Hugging Face cache that holds it)")
 
 
+#: weight formats that are pickles (loading one can run arbitrary code); only safetensors is loaded
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
+
+
+def require_safetensors_weights(folder: str | Path) -> None:
+    """Refuse a model folder whose weights exist only as pickles (``pytorch_model.bin``)."""
+    p = Path(folder)
+    if any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists():
+        return
+    pickles = sorted({f.name for pat in PICKLE_WEIGHTS for f in p.glob(pat)})
+    if pickles:
+        raise UserError(f"{p} holds its weights only as pickles ({', '.join(pickles[:3])}); loading a pickle can run "
+                        f"arbitrary code, so dpregistry loads safetensors only. Convert them once on a trusted "
+                        f"machine (model.save_pretrained(DIR, safe_serialization=True)) and point model.path at DIR",
+                        key="model.path")
+    raise UserError(f"{p} holds no model weights (*.safetensors)", key="model.path")
+
+
 def resolve_model_dir(path: str, *, need_weights: bool = True) -> str:
-    """A local folder holding the model (its config, tokenizer and, if needed, weights)."""
+    """A local folder holding the model (its config, tokenizer and, if needed, weights).
+
+    Weights load from safetensors only: a folder with nothing but pickled weights is refused."""
+    folder = _resolve_model_dir(path, need_weights)
+    if need_weights:
+        require_safetensors_weights(folder)
+    return folder
+
+
+def _resolve_model_dir(path: str, need_weights: bool) -> str:
     if path in ALIASES:
         return _alias_dir(path)
     p = Path(path).expanduser()
@@ -48,12 +75,13 @@ def resolve_model_dir(path: str, *, need_weights: bool = True) -> str:
 
     patterns = None if need_weights else ["*.json", "*.txt", "*.model", "merges.txt", "vocab*"]
     try:
-        return snapshot_download(path, local_files_only=True, allow_patterns=patterns)
+        return snapshot_download(path, local_files_only=True, allow_patterns=patterns,
+                                 ignore_patterns=list(PICKLE_WEIGHTS))
     except Exception:
         pass
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         raise UserError(how_to_provide(path), key="model.path")
     try:
-        return snapshot_download(path, allow_patterns=patterns)
+        return snapshot_download(path, allow_patterns=patterns, ignore_patterns=list(PICKLE_WEIGHTS))
     except Exception:
         raise UserError(how_to_provide(path), key="model.path") from None

@@ -187,7 +187,7 @@ def _apply_set(data: dict, locs: dict, assignment: str) -> None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an infinite budget is no budget
 
 
 class PrivacySection(_Strict):
@@ -258,10 +258,38 @@ def _where(locs: dict[tuple, Loc], path: tuple) -> dict[str, Any]:
     return {"key": ".".join(path)}
 
 
-def _pydantic_error(e: ValidationError, prefix: tuple, locs: dict, model: type[BaseModel], file: str) -> UserError:
-    err = e.errors()[0]
+def _data_loc(loc: tuple, data: Any, missing: bool) -> tuple:
+    """The part of a pydantic error location that names keys of the data (a union adds the name of
+    each member type, ``noise_multiplier.float``, which is no key of the recipe)."""
+    out: list[str] = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            if missing or not out:
+                out.append(part)
+            break
+        out.append(part)
+    return tuple(out)
+
+
+def _pydantic_error(e: ValidationError, prefix: tuple, locs: dict, model: type[BaseModel], file: str,
+                    data: Any = None) -> UserError:
+    errors = e.errors()
+    # a misspelled key is also a missing one: name the misspelling
+    errors = sorted(errors, key=lambda x: x["type"] != "extra_forbidden")
+    err = errors[0]
     loc = tuple(str(x) for x in err["loc"])
-    msg = err["msg"]
+    if data is not None:
+        loc = _data_loc(loc, data, err["type"] == "missing")
+        same = [x["msg"] for x in errors if _data_loc(tuple(str(y) for y in x["loc"]), data,
+                                                      x["type"] == "missing") == loc]
+        msg = " or ".join(dict.fromkeys(same))  # every member of a union, once each
+    else:
+        msg = err["msg"]
     if err["type"] == "extra_forbidden":
         fields = list(model.model_fields)
         sub = model
@@ -331,7 +359,8 @@ def resolve(data: dict[str, Any], locs: dict[tuple, Loc], registry: Registry, so
     try:
         ap = alg_entry.cls.Params.model_validate(alg_params)
     except ValidationError as e:
-        raise _pydantic_error(e, ("algorithm",), locs, alg_entry.cls.Params, file) from None
+        raise _pydantic_error(e, ("algorithm",), locs, alg_entry.cls.Params, file, alg_params) from None
+    _no_nan(ap.model_dump(), ("algorithm",), locs, file)
     stages["algorithm"] = (alg_entry, ap)
     resolved["algorithm"] = {"name": alg_name, **ap.model_dump(mode="json")}
 
@@ -356,20 +385,21 @@ def resolve(data: dict[str, Any], locs: dict[tuple, Loc], registry: Registry, so
         try:
             p = entry.cls.Params.model_validate(params)
         except ValidationError as e:
-            raise _pydantic_error(e, (section,), locs, entry.cls.Params, file) from None
+            raise _pydantic_error(e, (section,), locs, entry.cls.Params, file, params) from None
+        _no_nan(p.model_dump(), (section,), locs, file)  # "nan" strings become NaN floats in pydantic
         stages[kind] = (entry, p)
         resolved[section] = {"name": entry.name, **p.model_dump(mode="json")}
 
     try:
         privacy = PrivacySection.model_validate(data.get("privacy") or {})
     except ValidationError as e:
-        raise _pydantic_error(e, ("privacy",), locs, PrivacySection, file) from None
+        raise _pydantic_error(e, ("privacy",), locs, PrivacySection, file, data.get("privacy")) from None
     if "train" not in data:
         raise UserError("a recipe needs a train section with steps", file=file, key="train")
     try:
         train = TrainSection.model_validate(data["train"])
     except ValidationError as e:
-        raise _pydantic_error(e, ("train",), locs, TrainSection, file) from None
+        raise _pydantic_error(e, ("train",), locs, TrainSection, file, data["train"]) from None
     seed = data.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise UserError("seed must be a non-negative integer", **{"file": file, **_where(locs, ("seed",))})

@@ -1,9 +1,10 @@
-"""Reports on a finished (or interrupted) run: the privacy ledger and plots."""
+"""Reports on a finished (or interrupted) run: the privacy ledger, plots and a markdown summary."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,11 @@ PLOT_NAME = "privacy_epsilon.png"
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl`` (a row torn by a kill mid-write is skipped)."""
+    from .engine import read_rows
+
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_rows(path) if path.exists() else []
 
 
 def _plot(path: Path, series: list[tuple[str, list, list]], title: str, limits: dict[str, float] | None = None) -> None:
@@ -40,8 +42,13 @@ def _plot(path: Path, series: list[tuple[str, list, list]], title: str, limits: 
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    tmp = ckpt.temp_path(Path(path))
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
 
 
 def spent_curve(acc: Accountant, ledger: Ledger, points: int = 25) -> list[tuple[int, float]]:
@@ -93,11 +100,139 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
               f"{privacy['relation'].replace('_', '-')})",
               {label: target} if target is not None and math.isfinite(target) else None)
     ledger = [dict(e, describe=PrivacyEvent.from_dict(e["event"]).describe()) for e in acc.ledger.to_json()]
+    summary_path = run_dir / "summary.json"
+    summary = _read_json(summary_path) if summary_path.exists() else {}
     return {
         "run": str(run_dir), "step": meta["step"], "accountant": acc.name, "notion": acc.notion,
         "relation": privacy["relation"], "epsilon": spent.get("epsilon"), "delta": privacy.get("delta"),
         "target_epsilon": privacy.get("epsilon"), "rho": spent.get("rho"), "target_rho": spent.get("target_rho"),
         "noise_multiplier": meta.get("noise_multiplier"), "charges": acc.ledger.n_charges,
         "ledger": ledger, "spent_label": label, "spent_over_steps": curve,
+        "epsilon_over_steps": curve if acc.budget.delta is not None else [],
         "plot": str(plot_path) if plot_path else None,
+        "recipe": recipe, "summary": summary if summary.get("step") == meta["step"] else {},
     }
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise UserError("unreadable JSON", file=str(path)) from None
+    return obj if isinstance(obj, dict) else {}
+
+
+def _num(v: Any) -> str:
+    """Numbers at full precision (the report is read by people and by tests)."""
+    if v is None:
+        return "–"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return f"{v:.6g}"
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list, list]:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+
+def write_report(run_dir: Path) -> list[Path]:
+    """``RUN_DIR/report/``: ``report.md`` and PNG plots of the training loss, the held-out metrics
+    and ε spent against steps. Works on interrupted runs (ε then comes from the newest checkpoint's
+    ledger)."""
+    run_dir = Path(run_dir)
+    rep = privacy_report(run_dir, plot=False)
+    recipe, summary = rep["recipe"], rep["summary"]
+    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= rep["step"]]
+    out = run_dir / "report"
+    try:
+        out.mkdir(exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write the report ({e.strerror or e})", file=str(out)) from None
+    alg = recipe["algorithm"]["name"]
+    written: list[Path] = []
+    figures: list[tuple[str, str]] = []
+
+    def figure(name: str, caption: str, series, title: str) -> None:
+        series = [s for s in series if s[1]]
+        if not series:
+            return
+        try:
+            _plot(out / name, series, title)
+        except OSError as e:
+            raise UserError(f"cannot write the report ({e.strerror or e})", file=str(out)) from None
+        written.append(out / name)
+        figures.append((caption, name))
+
+    xs, ys = _series(rows, "loss")
+    figure("loss.png", "Training loss (private batch, before noise; a diagnostic, not covered by the "
+           "guarantee)", [("training loss", xs, ys)], f"{alg}: training loss")
+    eval_keys = sorted({k for r in rows for k in r if k.startswith("eval/")})
+    final_metrics = summary.get("metrics") or {}
+    eval_series = []
+    for k in eval_keys:
+        xs, ys = _series(rows, k)
+        name = k[len("eval/"):]
+        if isinstance(final_metrics.get(name), (int, float)) and (not xs or xs[-1] != summary.get("step")):
+            xs, ys = xs + [summary["step"]], ys + [final_metrics[name]]
+        eval_series.append((f"held-out {name}", xs, ys))
+    if not eval_series:  # no periodic evaluation: the final held-out metrics alone
+        eval_series = [(f"held-out {k}", [summary["step"]], [v]) for k, v in sorted(final_metrics.items())
+                       if isinstance(v, (int, float))]
+    figure("eval.png", "Held-out metrics", eval_series, f"{alg}: held-out metrics")
+    xs, ys = _series(rows, "epsilon")
+    if rep["epsilon"] is not None:  # nothing is spent before the first step
+        xs, ys = [0] + xs, [0.0] + ys
+    if rep["epsilon"] is not None and xs[-1] != rep["step"]:
+        xs, ys = xs + [rep["step"]], ys + [rep["epsilon"]]
+    figure("epsilon.png", "Privacy spent", [("ε spent", xs, ys)],
+           f"{alg}: ε spent ({rep['accountant']}, δ = {_num(rep['delta'])})")
+
+    if summary:
+        status = f"stopped at step {summary['step']}: {summary['stopped']}" if summary.get("stopped") \
+            else f"finished, {summary['step']} steps"
+    else:
+        status = f"interrupted; the newest valid checkpoint is at step {rep['step']} (continue with `dpreg resume`)"
+    lines = [f"# Run report: {alg}", ""]
+    if recipe.get("description"):
+        lines += [recipe["description"], ""]
+    lines += [f"Status: {status}.", "", "## Privacy", "", "| quantity | value |", "|---|---|",
+              f"| ε spent | {_num(rep['epsilon'])} |", f"| target ε | {_num(rep['target_epsilon'])} |",
+              f"| δ | {_num(rep['delta'])} |"]
+    if summary.get("rho") is not None or recipe["privacy"].get("rho") is not None:
+        lines += [f"| ρ spent | {_num(summary.get('rho'))} |", f"| target ρ | {_num(recipe['privacy'].get('rho'))} |"]
+    lines += [f"| accountant | {rep['accountant']} |", f"| neighbouring relation | {rep['relation']} |",
+              f"| noise multiplier | {_num(rep['noise_multiplier'])} |", f"| steps | {rep['step']} |",
+              f"| secure noise | {recipe['privacy'].get('secure_noise', False)} |", ""]
+    lines += ["Charges (the privacy ledger):", ""]
+    for e in rep["ledger"]:
+        part = f", partition {e['partition']}" if e.get("partition") else ""
+        lines.append(f"- steps {e['first_step']}–{e['last_step']}: {e['count']} × {e['describe']}{part}")
+    lines.append("")
+    if final_metrics:
+        lines += ["## Held-out metrics (final)", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {_num(v)} |" for k, v in final_metrics.items()]
+        lines.append("")
+    if figures:
+        lines += ["## Plots", ""] + [f"![{cap}]({name})" for cap, name in figures] + [""]
+    lines += ["## Provenance", "", f"- recipe hash: `{summary.get('recipe_hash') or _recipe_hash(run_dir)}`",
+              f"- seed: {recipe.get('seed')}"]
+    for k, v in (summary.get("versions") or {}).items():
+        lines.append(f"- {k}: {', '.join(v) if isinstance(v, list) else v}")
+    if summary.get("wall_seconds") is not None:
+        lines.append(f"- wall time: {summary['wall_seconds']:.1f} s")
+    from .engine import _write_text
+
+    md = out / "report.md"
+    try:
+        _write_text(md, "\n".join(lines) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write the report ({e.strerror or e})", file=str(out)) from None
+    return [md] + written
+
+
+def _recipe_hash(run_dir: Path) -> str:
+    path = run_dir / "recipe.json"
+    return _read_json(path).get("recipe_hash", "?") if path.exists() else "?"

@@ -35,7 +35,7 @@ def load_tabular(name: str, *, test_fraction: float = 0.2, seed: int = 0, dtype=
     training split never influences them (a non-private statistic of it would leak).
     """
     if name not in BUNDLED:
-        raise UserError(f"unknown bundled data set {name!r} (choose from {', '.join(BUNDLED)})")
+        raise UserError(f"unknown bundled data set {name!r} (choose from {', '.join(BUNDLED)})", key="data.dataset")
     import sklearn.datasets as skd
 
     loader, task = BUNDLED[name]

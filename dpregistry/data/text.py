@@ -68,12 +68,19 @@ def load_table(path: str | Path, *, text_columns: list[str], label_column: str,
                         file=str(path))
     texts: list[tuple[str, ...]] = []
     raw_labels: list[tuple[int, str]] = []
-    for line, row in _rows(path, fmt):
-        for c in text_columns + [label_column]:
-            if c not in row:
-                raise UserError(f"column {c!r} is missing (columns: {', '.join(row)})", file=str(path), line=line)
-        texts.append(tuple(str(row[c]) for c in text_columns))
-        raw_labels.append((line, str(row[label_column]).strip()))
+    try:
+        for line, row in _rows(path, fmt):
+            for c in text_columns + [label_column]:
+                if c not in row:
+                    raise UserError(f"column {c!r} is missing (columns: {', '.join(row)})", file=str(path), line=line)
+            texts.append(tuple(str(row[c]) for c in text_columns))
+            raw_labels.append((line, str(row[label_column]).strip()))
+    except UnicodeDecodeError as e:
+        raise UserError(f"not UTF-8 text (byte {e.start}: {e.reason})", file=str(path)) from None
+    except IsADirectoryError:
+        raise UserError("is a folder, not a data file", file=str(path)) from None
+    except csv.Error as e:
+        raise UserError(f"malformed {fmt.upper()} ({e})", file=str(path)) from None
     names = [str(x) for x in labels] if labels is not None else sorted({lab for _, lab in raw_labels})
     index = {n: i for i, n in enumerate(names)}
     out = []

@@ -1,0 +1,116 @@
+"""`dpreg report RUN_DIR`: PNG plots and a markdown summary, checked by content, not by eye."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import make_run, write_recipe
+from dpregistry.engine import resume_run
+from test_core_cli import dpreg
+
+RECIPE = {
+    "seed": 2,
+    "description": "report test",
+    "algorithm": "dp_adam",
+    "objective": {"name": "tabular", "model": {"kind": "mlp", "hidden": [16]}, "data": {"dataset": "wine"}},
+    "sampler": {"name": "poisson", "batch_size": 16},
+    "privatizer": {"clip": 1.0, "noise_multiplier": 1.2},
+    "update": {"lr": 0.01},
+    "accountant": "rdp",
+    "privacy": {"epsilon": 50.0, "delta": 1e-3},
+    "train": {"steps": 12, "log_every": 2, "eval_every": 4, "checkpoint_every": 4, "progress": False},
+}
+
+
+def table(md: str, heading: str) -> dict[str, str]:
+    """The two-column table under ``## heading``."""
+    section = md.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1).strip(): m.group(2).strip()
+            for m in re.finditer(r"^\| ([^|]+) \| ([^|]+) \|$", section, re.M) if m.group(1).strip() not in
+            ("quantity", "metric", "---")}
+
+
+def num(text: str) -> float:
+    return float(text)
+
+
+def check_png(path):
+    assert path.stat().st_size > 1000
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size[0] >= 300 and im.size[1] >= 200
+        pixels = np.asarray(im.convert("RGB"))
+    # a drawn plot: a white background, dark axes and text, and the coloured line
+    colours = {tuple(c) for c in pixels.reshape(-1, 3)[::7]}
+    assert len(colours) > 20
+    blue = (pixels[..., 2] > 150) & (pixels[..., 0] < 100)  # matplotlib's default line colour
+    assert blue.sum() > 50
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    recipe = write_recipe(root, RECIPE)
+    assert dpreg("run", recipe, "--out", root / "out", "-q").returncode == 0
+    res = dpreg("report", root / "out")
+    assert res.returncode == 0, res.stderr
+    return root / "out", res
+
+
+def test_report_writes_the_markdown_and_three_plots(finished):
+    out, res = finished
+    names = ["report.md", "loss.png", "eval.png", "epsilon.png"]
+    assert sorted(p.name for p in (out / "report").iterdir()) == sorted(names)
+    for n in names:
+        assert str(out / "report" / n) in res.stdout
+    for n in names[1:]:
+        check_png(out / "report" / n)
+        assert f"]({n})" in (out / "report" / "report.md").read_text()  # linked from the markdown
+
+
+def test_the_markdown_states_what_summary_json_holds(finished):
+    out, _ = finished
+    s = json.loads((out / "summary.json").read_text())
+    md = (out / "report" / "report.md").read_text()
+    assert md.startswith("# Run report: dp_adam\n") and "report test" in md
+    assert f"Status: finished, {s['step']} steps." in md
+    p = table(md, "Privacy")
+    assert num(p["ε spent"]) == pytest.approx(s["epsilon"], rel=1e-5)
+    assert num(p["target ε"]) == s["target_epsilon"] == 50.0
+    assert num(p["δ"]) == s["delta"] == 1e-3
+    assert p["accountant"] == s["accountant"] == "rdp" and p["neighbouring relation"] == s["relation"]
+    assert num(p["noise multiplier"]) == pytest.approx(s["noise_multiplier"], rel=1e-5)
+    assert int(p["steps"]) == s["step"] == 12 and p["secure noise"] == "False"
+    m = table(md, "Held-out metrics (final)")
+    assert set(m) == set(s["metrics"]) and s["metrics"]
+    for k, v in s["metrics"].items():
+        assert num(m[k]) == pytest.approx(v, rel=1e-5)
+    assert "- steps 0–11: 12 × poisson(" in md  # the ledger
+    assert f"recipe hash: `{s['recipe_hash']}`" in md and f"torch: {s['versions']['torch']}" in md
+
+
+def test_the_report_of_an_interrupted_run_uses_its_newest_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    run = make_run(RECIPE, tmp_path, out=out)
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_10(r, metrics):
+        if r.step == 10:
+            raise Crash
+
+    with pytest.raises(Crash):
+        run.train(progress=crash_at_10)
+    assert dpreg("report", out).returncode == 0
+    md = (out / "report" / "report.md").read_text()
+    assert "Status: interrupted; the newest valid checkpoint is at step 8" in md
+    expected = resume_run(out, warn=lambda m: None).epsilon()  # ε of the ledger at step 8
+    assert num(table(md, "Privacy")["ε spent"]) == pytest.approx(expected, rel=1e-5)
+    assert "Held-out metrics (final)" not in md  # no final metrics for an unfinished run
+    for n in ("loss.png", "eval.png", "epsilon.png"):
+        check_png(out / "report" / n)
