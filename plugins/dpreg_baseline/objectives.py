@@ -60,12 +60,12 @@ class TabularObjective(TorchObjective):
         act = nn.ReLU if m.activation == "relu" else nn.Tanh
         layers: list[nn.Module] = []
         width = n_in
-        if m.kind == "mlp":
-            for h in m.hidden:
-                layers += [nn.Linear(width, h), act()]
-                width = h
-        layers.append(nn.Linear(width, n_out))
-        with seeded(run.rng.step_seed("init", 0)):
+        with seeded(run.rng.step_seed("init", 0)):  # the layers initialise here: from the recipe seed
+            if m.kind == "mlp":
+                for h in m.hidden:
+                    layers += [nn.Linear(width, h), act()]
+                    width = h
+            layers.append(nn.Linear(width, n_out))
             self.model = nn.Sequential(*layers).to(run.device)
         self.x_train, self.y_train = t.x_train.to(run.device), t.y_train.to(run.device)
 
