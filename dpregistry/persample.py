@@ -415,13 +415,24 @@ class GradSampler:
                 raise UserError(f"per-example gradients: layer {self._names[id(module)]} is shared by the batch "
                                 "through broadcasting; this needs a dedicated handler")
             inp = inp.expand(B, *inp.shape[1:]) if inp is not None else None
+        fold = output.shape[0] // B if output.shape[0] != B and output.shape[0] % B == 0 else 1
+        if fold > 1:
+            # A batch-major flattened input, [B·T, F] (OPT's feed-forward reshapes [B, T, F] so):
+            # example i owns rows i·T .. (i+1)·T − 1.
+            if functional or inp is None or inp.shape[0] != output.shape[0]:
+                raise UserError(f"per-example gradients: layer {self._names[id(module)]} sees a leading dimension "
+                                f"{output.shape[0]} that is not the batch size {B}")
+            inp = inp.reshape(B, fold, *inp.shape[1:])
+        elif output.shape[0] != B:
+            raise UserError(f"per-example gradients: layer {self._names[id(module)]} sees a leading dimension "
+                            f"{output.shape[0]} that is not the batch size {B}")
         use = Use(module, inp, None, 0)
         if functional:
             use.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             use.kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
 
-        def on_backprop(g, use=use, h=h):
-            use.g = g
+        def on_backprop(g, use=use, h=h, fold=fold):
+            use.g = g.reshape(B, fold, *g.shape[1:]) if fold > 1 else g
             h.on_backprop(use)
 
         if self._anchor is None:

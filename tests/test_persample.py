@@ -263,3 +263,49 @@ def test_hf_vit_with_class_token_and_position_embeddings():
     vit = _tiny_hf("vit").double().eval()
     x, y = torch.randn(3, 3, 8, 8, dtype=torch.float64), torch.tensor([0, 2, 1])
     check(vit, lambda: F.cross_entropy(vit(pixel_values=x).logits, y, reduction="none"), 3, atol=1e-8)
+
+
+class Folded(nn.Module):
+    """A feed-forward applied to [B·T, F] rows, as OPT's decoder layer does."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(12, 6)
+        self.ln = nn.LayerNorm(6)
+        self.fc = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        shape = h.shape
+        h = h + self.fc(torch.tanh(self.ln(h.reshape(-1, shape[-1])))).view(shape)
+        return self.head(h.mean(1))
+
+
+def test_batch_major_flattened_layers():
+    torch.manual_seed(8)
+    m = Folded()
+    ids = torch.randint(0, 12, (4, 5))
+    y = torch.randint(0, 2, (4,))
+    check(m, lambda: F.cross_entropy(m(ids), y, reduction="none"), 4)
+
+
+def test_hf_opt_decoder():
+    from transformers import OPTConfig, OPTModel
+
+    torch.manual_seed(9)
+    cfg = OPTConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, ffn_dim=32,
+                    max_position_embeddings=16, word_embed_proj_dim=16)
+    enc = OPTModel(cfg).double().eval()
+    head = nn.Linear(16, 2).double()
+    model = nn.ModuleDict({"enc": enc, "head": head})
+    ids = torch.randint(3, 40, (3, 6))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    y = torch.tensor([0, 1, 1])
+
+    def losses():
+        h = enc(input_ids=ids, attention_mask=mask).last_hidden_state
+        return F.cross_entropy(head(h[:, -1]), y, reduction="none")
+
+    check(model, losses, 3, atol=1e-8)
