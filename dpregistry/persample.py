@@ -50,6 +50,13 @@ def _zero_rows(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
+def _scale_rows(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """values·w per example; NaN-safe masking only when some example has weight 0."""
+    if bool((weights > 0).all()):
+        return values * weights.to(values.dtype).view((-1,) + (1,) * (values.dim() - 1))
+    return _mask_rows(values, weights)
+
+
 def _linear_weight_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """‖g_iᵀ a_i‖²_F per example, for a [B, T, in] and g [B, T, out], without forming g_iᵀa_i
     when the ghost norm is cheaper (T² ≤ in·out)."""
@@ -89,9 +96,16 @@ class Outer:
     def weighted(self, w: torch.Tensor) -> torch.Tensor:
         """Σ_i w_i G_i; examples of weight 0 contribute exactly 0 (NaN-safe)."""
         if self.m is not None:
-            return _mask_rows(self.m, w).sum(0)
+            return _scale_rows(self.m, w).sum(0)
+        u, v = self.u, self.v
+        if bool((w > 0).all()):  # no example to drop: scale the narrower factor, no masking copies
+            if u.shape[2] <= v.shape[2]:
+                u = u * w.to(u.dtype).view(-1, 1, 1)
+            else:
+                v = v * w.to(v.dtype).view(-1, 1, 1)
+            return torch.einsum("btp,btq->pq", u, v)
         # the weight goes on one factor only; the other is just masked
-        return torch.einsum("btp,btq->pq", _mask_rows(self.u, w), _zero_rows(self.v, w))
+        return torch.einsum("btp,btq->pq", _mask_rows(u, w), _zero_rows(v, w))
 
     def per_example(self) -> torch.Tensor:
         if self.m is not None:
@@ -139,7 +153,7 @@ class LayerHandler:
         return {k: v.flatten(1).pow(2).sum(1) for k, v in self.per_example(use).items()}
 
     def weighted(self, use: Use, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {k: _mask_rows(v, w).sum(0) for k, v in self.per_example(use).items()}
+        return {k: _scale_rows(v, w).sum(0) for k, v in self.per_example(use).items()}
 
     def per_example(self, use: Use) -> dict[str, torch.Tensor]:
         """Materialised per-example gradients (a module called twice, or a tied parameter)."""
@@ -181,7 +195,7 @@ class _ProductHandler(LayerHandler):
     def weighted(self, use, w):
         out = {}
         for k, v in use.state.items():
-            out[k] = v.weighted(w).reshape(self.weight_shape(use, v)) if isinstance(v, Outer) else _mask_rows(v, w).sum(0)
+            out[k] = v.weighted(w).reshape(self.weight_shape(use, v)) if isinstance(v, Outer) else _scale_rows(v, w).sum(0)
         return out
 
     def per_example(self, use):
@@ -236,7 +250,7 @@ class EmbeddingHandler(LayerHandler):
 
     def weighted(self, use, w):
         ids, g = use.state["ids"], use.state["g"]
-        gw = _mask_rows(g, w)
+        gw = _scale_rows(g, w)
         W = use.module.weight
         out = torch.zeros(W.shape, dtype=gw.dtype, device=gw.device)
         out.index_add_(0, ids.reshape(-1), gw.reshape(-1, gw.shape[-1]))
