@@ -39,8 +39,8 @@ HERE = Path(__file__).resolve().parent
 METHODS = ("opacus_hooks", "opacus_ghost", "dp_adam", "dp_grape")
 MODELS = {
     # name: (config, batch, seq/None, rank, budget in MiB)
-    "roberta": ("roberta-style.json", 8, 32, 16, 2048),
-    "vit": ("vit-small.json", 16, None, 32, 1024),
+    "roberta": ("roberta-style.json", 8, 32, 16, 4096),
+    "vit": ("vit-small.json", 16, None, 32, 2048),
 }
 
 
@@ -222,14 +222,14 @@ def main() -> None:
         for m in METHODS:
             if m not in ok:
                 continue
-            r2 = spawn(m, model, 2 * B, a.device, 0)  # memory only
+            r2 = spawn(m, model, 2 * B, a.device, 1)  # two steps: Adam's state exists from the first update
             if "error" in r2:
                 print(f"  {m:<14} failed at batch {2 * B}")
                 continue
             slope = (r2["peak_mib"] - ok[m]["peak_mib"]) / B
             fixed = ok[m]["peak_mib"] - slope * B
             pred = int((budget - fixed) / slope) if slope > 0 else 10 ** 6
-            chk = spawn(m, model, max(pred, 1), a.device, 0) if a.verify and 0 < pred <= 4096 else None
+            chk = spawn(m, model, max(pred, 1), a.device, 1) if a.verify and 0 < pred <= 4096 else None
             fits = chk is not None and "error" not in chk and chk["peak_mib"] <= budget
             print(f"  {m:<14} {pred:>6}  ({fixed:.0f} MiB + {slope:.1f} MiB/example; "
                   f"{'fits: ' + format(chk['peak_mib'], '.0f') + ' MiB' if fits else 'check: ' + (format(chk['peak_mib'], '.0f') + ' MiB' if chk and 'peak_mib' in chk else 'not run')})")
