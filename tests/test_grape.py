@@ -307,7 +307,7 @@ def test_orthogonal_square_projector_with_sgd_is_dp_sgd_with_rotated_noise(tmp_p
     a, _ = params_after(digits("dp_sgd", 1, objective=obj, update={"lr": 0.1}), tmp_path)
     b, run = params_after(digits("dp_grape", 1, objective=obj, estimator=sel,
                                  update={"name": "projected_sgd", "lr": 0.1}), tmp_path)
-    x0 = make_run(digits("dp_sgd", 1, objective=obj), tmp_path).params
+    x0 = {k: v.detach() for k, v in make_run(digits("dp_sgd", 1, objective=obj), tmp_path).params.items()}
     P = run.estimator.projectors(0)["0.weight"].matrix(dtype=torch.float64)
     assert torch.allclose(P.T @ P, torch.eye(64, dtype=torch.float64), atol=1e-6)
     # Both runs draw the same z: the step's secret noise source, tensors in sorted order.
