@@ -1,41 +1,42 @@
 """Per-example gradients from activations and backprops, without materialising them.
 
-Forward hooks keep each supported layer's input and output. One call of ``torch.autograd.grad``
-with the outputs as ``inputs`` then yields the backprops g = ∂(Σ_i loss_i)/∂output, without
+Forward hooks keep each supported layer's input and put a *tap* on its output: an identity whose
+backward hands the backprop g = ∂(Σ_i loss_i)/∂output to the layer's handler the moment autograd
+computes it. One backward pass to a dummy anchor (every tap feeds it) reaches all taps without
 computing a single weight gradient. Because examples never interact, example i's gradient of a
-linear layer is g_iᵀ a_i. From (a, g) we get
+linear layer is g_iᵀ a_i, and the handler keeps just what the clipped sum will need:
 
-* each example's gradient norm: ‖g_iᵀa_i‖² = Σ_{t,s} ⟨a_t, a_s⟩⟨g_t, g_s⟩ ("ghost norm", B·T²
-  memory), or ‖g_i‖²‖a_i‖² when the layer sees one token per example, or the materialised
-  per-example gradient when that is smaller (out·in < T²);
-* the clipped sum Σ_i w_i g_iᵀ a_i = (w ⊙ g)ᵀ a in one product ("book-keeping").
+* the factors (a, g), when they are smaller than the per-example gradients; then each example's
+  norm is ‖g_iᵀa_i‖² = Σ_{t,s} ⟨a_t, a_s⟩⟨g_t, g_s⟩ ("ghost norm", B·T² memory), or ‖g_i‖²‖a_i‖²
+  when the layer sees one token per example, and the clipped sum Σ_i w_i g_iᵀ a_i = (w ⊙ g)ᵀ a
+  is one product ("book-keeping");
+* the per-example gradients themselves, when they are smaller than the factors (out·in ≤ T·(out+in),
+  e.g. a small layer with long sequences); the activation and backprop are dropped.
+
+Handlers may transform the factors first (DP-GRAPE keeps (g·P, a) or (g, a·P), so the projected
+per-example gradient Pᵀ·g_iᵀa_i is formed directly and the full one never exists).
 
 So a DP step costs one forward and one backward, and the largest per-example object is B·T² (or
-B·out·in for a small layer), never B·d. Layers: Linear, Embedding, LayerNorm and Conv1d/2d; a
-parameter that sits in an unsupported layer is an error naming the layer.
+B·out·in for a small layer), never B·d. Layers: Linear, Embedding, LayerNorm and Conv1d/2d; any
+other module that owns trainable parameters gets its per-example gradients of those parameters
+by ``torch.func.vmap`` over the module's own forward (as Opacus does), materialised.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .errors import UserError
-from .spaces import DenseAggregate, DenseContribution, acc_dtype, _mask_rows
+from .spaces import Aggregate, DenseAggregate, DenseContribution, acc_dtype, _mask_rows
 
 # ------------------------------------------------------------------------------------------
-# layer handlers: (module, activation, backprop) -> norms² [B] and weighted sums
+# per-example products
 # ------------------------------------------------------------------------------------------
-
-
-def _keep_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x with the rows of weight 0 set to exactly 0 (a NaN activation must not reach the sum)."""
-    keep = (w > 0).view((-1,) + (1,) * (x.dim() - 1))
-    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _flat3(x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,22 @@ def _flat3(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
+def _zero_rows(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """values with the rows of weight 0 set to exactly 0 (NaN-safe), otherwise unscaled."""
+    keep = (weights > 0).view((-1,) + (1,) * (values.dim() - 1))
+    return torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def _scale_rows(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """values·w per example; NaN-safe masking only when some example has weight 0."""
+    if bool((weights > 0).all()):
+        return values * weights.to(values.dtype).view((-1,) + (1,) * (values.dim() - 1))
+    return _mask_rows(values, weights)
+
+
 def _linear_weight_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """‖g_iᵀ a_i‖²_F per example, for a [B, T, in] and g [B, T, out], without forming g_iᵀa_i
+    when the ghost norm is cheaper (T² ≤ in·out)."""
     B, T, fin = a.shape
     fout = g.shape[-1]
     if T == 1:
@@ -55,98 +71,193 @@ def _linear_weight_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2))
 
 
+class Outer:
+    """Per-example products G_i = u_iᵀ v_i (p×q) of u [B, T, p] and v [B, T, q], stored as the
+    factors or materialised ([B, p, q]), whichever takes less memory."""
+
+    __slots__ = ("u", "v", "m")
+
+    def __init__(self, u: torch.Tensor, v: torch.Tensor):
+        T, p, q = u.shape[1], u.shape[2], v.shape[2]
+        if p * q <= T * (p + q):
+            self.m, self.u, self.v = torch.bmm(u.transpose(1, 2), v), None, None
+        else:
+            self.m, self.u, self.v = None, u, v
+
+    @property
+    def materialised(self) -> bool:
+        return self.m is not None
+
+    def sq_norms(self) -> torch.Tensor:
+        if self.m is not None:
+            return self.m.pow(2).sum((1, 2))
+        return _linear_weight_sq(self.v, self.u)
+
+    def weighted(self, w: torch.Tensor) -> torch.Tensor:
+        """Σ_i w_i G_i; examples of weight 0 contribute exactly 0 (NaN-safe)."""
+        if self.m is not None:
+            return _scale_rows(self.m, w).sum(0)
+        u, v = self.u, self.v
+        if bool((w > 0).all()):  # no example to drop: scale the narrower factor, no masking copies
+            if u.shape[2] <= v.shape[2]:
+                u = u * w.to(u.dtype).view(-1, 1, 1)
+            else:
+                v = v * w.to(v.dtype).view(-1, 1, 1)
+            return torch.einsum("btp,btq->pq", u, v)
+        # the weight goes on one factor only; the other is just masked
+        return torch.einsum("btp,btq->pq", _mask_rows(u, w), _zero_rows(v, w))
+
+    def per_example(self) -> torch.Tensor:
+        if self.m is not None:
+            return self.m
+        return torch.einsum("btp,btq->bpq", self.u, self.v)
+
+
+# ------------------------------------------------------------------------------------------
+# layer handlers: backprop -> compact state -> norms² [B], weighted sums, per-example gradients
+# ------------------------------------------------------------------------------------------
+
+
 @dataclass
 class Use:
-    """One call of a hooked module: its input activation and its output (then the backprop)."""
+    """One call of a hooked module: its inputs and its (tapped) output, then the handler's state."""
 
     module: nn.Module
-    inp: torch.Tensor
-    out: torch.Tensor
+    inp: Any
+    out: torch.Tensor | None
     version: int
     g: torch.Tensor | None = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    state: dict = field(default_factory=dict)
 
 
 class LayerHandler:
-    """Per-example norms² and weighted sums for the parameters of one module type."""
+    """Per-example norms² and weighted sums for the parameters of one module type.
+
+    ``on_backprop(use)`` runs inside the backward pass, as soon as ``use.g`` exists: a handler
+    replaces (use.inp, use.g) by the compact ``use.state`` it needs, so that the activations and
+    backprops of all layers are not held together. The other methods read that state; their keys
+    are the module's local parameter names.
+    """
 
     types: tuple = ()
 
     def params(self, module) -> dict[str, nn.Parameter]:
         return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
 
+    def on_backprop(self, use: Use) -> None:
+        """Default: keep the activation and the backprop as they are."""
+
     def sq_norms(self, use: Use) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        return {k: v.flatten(1).pow(2).sum(1) for k, v in self.per_example(use).items()}
 
     def weighted(self, use: Use, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        return {k: _scale_rows(v, w).sum(0) for k, v in self.per_example(use).items()}
 
     def per_example(self, use: Use) -> dict[str, torch.Tensor]:
-        """Materialised per-example gradients (used when a parameter is shared between layers)."""
+        """Materialised per-example gradients (a module called twice, or a tied parameter)."""
         raise NotImplementedError
 
 
-class LinearHandler(LayerHandler):
-    types = (nn.Linear,)
+class _ProductHandler(LayerHandler):
+    """A layer whose weight gradient is Σ_t g_t a_tᵀ and bias gradient Σ_t g_t (Linear, Conv)."""
 
-    def _ag(self, use):
-        dt = acc_dtype(use.inp.dtype)
-        return _flat3(use.inp).to(dt), _flat3(use.g).to(dt)
+    def activations(self, use: Use) -> torch.Tensor:
+        """[B, T, in] (for a convolution: the unfolded patches)."""
+        raise NotImplementedError
+
+    def weight_product(self, use: Use, a: torch.Tensor, g: torch.Tensor) -> Outer:
+        """The per-example weight gradients as an :class:`Outer` (projected handlers override)."""
+        return Outer(g, a)
+
+    def backprops(self, use: Use) -> torch.Tensor:
+        """[B, T, out]."""
+        return _flat3(use.g)
+
+    def weight_shape(self, use: Use, prod: Outer) -> tuple:
+        return tuple(use.module.weight.shape)
+
+    def on_backprop(self, use):
+        m = use.module
+        dt = acc_dtype(use.g.dtype)
+        g = self.backprops(use).to(dt)
+        st = {}
+        if m.weight.requires_grad:
+            st["weight"] = self.weight_product(use, self.activations(use).to(dt), g)
+        if m.bias is not None and m.bias.requires_grad:
+            st["bias"] = g.sum(1)
+        use.state, use.inp, use.g = st, None, None
 
     def sq_norms(self, use):
-        a, g = self._ag(use)
-        out = {}
-        if use.module.weight.requires_grad:
-            out["weight"] = _linear_weight_sq(a, g)
-        if use.module.bias is not None and use.module.bias.requires_grad:
-            out["bias"] = g.sum(1).pow(2).sum(1)
-        return out
+        return {k: (v.sq_norms() if isinstance(v, Outer) else v.pow(2).sum(1)) for k, v in use.state.items()}
 
     def weighted(self, use, w):
-        a, g = self._ag(use)
-        gw, a = _mask_rows(g, w), _keep_rows(a, w)
         out = {}
-        if use.module.weight.requires_grad:
-            out["weight"] = torch.einsum("bto,bti->oi", gw, a)
-        if use.module.bias is not None and use.module.bias.requires_grad:
-            out["bias"] = gw.sum((0, 1))
+        for k, v in use.state.items():
+            out[k] = v.weighted(w).reshape(self.weight_shape(use, v)) if isinstance(v, Outer) else _scale_rows(v, w).sum(0)
         return out
 
     def per_example(self, use):
-        a, g = self._ag(use)
         out = {}
-        if use.module.weight.requires_grad:
-            out["weight"] = torch.einsum("bto,bti->boi", g, a)
-        if use.module.bias is not None and use.module.bias.requires_grad:
-            out["bias"] = g.sum(1)
+        for k, v in use.state.items():
+            out[k] = v.per_example().reshape((-1,) + self.weight_shape(use, v)) if isinstance(v, Outer) else v
         return out
+
+
+class LinearHandler(_ProductHandler):
+    types = (nn.Linear,)
+
+    def activations(self, use):
+        return _flat3(use.inp)
+
+
+class ConvHandler(_ProductHandler):
+    """Conv1d/Conv2d through unfold: the layer is a linear map on patches."""
+
+    types = (nn.Conv1d, nn.Conv2d)
+
+    def activations(self, use):
+        m = use.module
+        x = use.inp
+        if isinstance(m, nn.Conv1d):
+            x = x.unsqueeze(-1)
+            ks, st, pd, dl = (m.kernel_size[0], 1), (m.stride[0], 1), (m.padding[0], 0), (m.dilation[0], 1)
+        else:
+            ks, st, pd, dl = m.kernel_size, m.stride, m.padding, m.dilation
+        cols = F.unfold(x, ks, dilation=dl, padding=pd, stride=st)  # [B, C·k, L]
+        return cols.transpose(1, 2)                                  # [B, L, C·k]
+
+    def backprops(self, use):
+        return use.g.flatten(2).transpose(1, 2)                      # [B, L, out]
 
 
 class EmbeddingHandler(LayerHandler):
     types = (nn.Embedding,)
 
-    def _ids_g(self, use):
+    def on_backprop(self, use):
         ids = use.inp.reshape(use.inp.shape[0], -1)
         g = _flat3(use.g).to(acc_dtype(use.g.dtype))
         pad = use.module.padding_idx
         if pad is not None:  # torch gives the padding row no gradient
             g = g * (ids != pad).unsqueeze(-1).to(g.dtype)
-        return ids, g
+        use.state, use.inp, use.g = {"ids": ids, "g": g}, None, None
 
     def sq_norms(self, use):
-        ids, g = self._ids_g(use)
+        ids, g = use.state["ids"], use.state["g"]
         same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(g.dtype)  # [B, T, T]
         return {"weight": (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))}
 
     def weighted(self, use, w):
-        ids, g = self._ids_g(use)
-        gw = _mask_rows(g, w)
+        ids, g = use.state["ids"], use.state["g"]
+        gw = _scale_rows(g, w)
         W = use.module.weight
         out = torch.zeros(W.shape, dtype=gw.dtype, device=gw.device)
         out.index_add_(0, ids.reshape(-1), gw.reshape(-1, gw.shape[-1]))
         return {"weight": out}
 
     def per_example(self, use):
-        ids, g = self._ids_g(use)
+        ids, g = use.state["ids"], use.state["g"]
         B = ids.shape[0]
         W = use.module.weight
         out = torch.zeros((B,) + tuple(W.shape), dtype=g.dtype, device=g.device)
@@ -157,88 +268,80 @@ class EmbeddingHandler(LayerHandler):
 class LayerNormHandler(LayerHandler):
     types = (nn.LayerNorm,)
 
-    def per_example(self, use):
+    def on_backprop(self, use):
         m = use.module
         dt = acc_dtype(use.inp.dtype)
         x = use.inp.to(dt)
         xhat = F.layer_norm(x, m.normalized_shape, None, None, m.eps)
         g = use.g.to(dt)
         dims = tuple(range(1, x.dim() - len(m.normalized_shape)))
-        out = {}
+        st = {}
         if m.weight is not None and m.weight.requires_grad:
-            out["weight"] = (g * xhat).sum(dims) if dims else g * xhat
+            st["weight"] = (g * xhat).sum(dims) if dims else g * xhat
         if m.bias is not None and m.bias.requires_grad:
-            out["bias"] = g.sum(dims) if dims else g
-        return out
-
-    def sq_norms(self, use):
-        return {k: v.flatten(1).pow(2).sum(1) for k, v in self.per_example(use).items()}
-
-    def weighted(self, use, w):
-        return {k: _mask_rows(v, w).sum(0) for k, v in self.per_example(use).items()}
-
-
-class ConvHandler(LayerHandler):
-    """Conv1d/Conv2d through unfold: the layer is a linear map on patches."""
-
-    types = (nn.Conv1d, nn.Conv2d)
-
-    def _ag(self, use):
-        m = use.module
-        dt = acc_dtype(use.inp.dtype)
-        x = use.inp.to(dt)
-        if isinstance(m, nn.Conv1d):
-            x = x.unsqueeze(-1)
-            ks, st, pd, dl = (m.kernel_size[0], 1), (m.stride[0], 1), (m.padding[0], 0), (m.dilation[0], 1)
-        else:
-            ks, st, pd, dl = m.kernel_size, m.stride, m.padding, m.dilation
-        if isinstance(pd, str) or m.groups != 1:
-            raise UserError(f"per-example gradients: {type(m).__name__} with groups or string padding is not supported")
-        cols = F.unfold(x, ks, dilation=dl, padding=pd, stride=st)  # [B, C·k, L]
-        a = cols.transpose(1, 2)                                     # [B, L, C·k]
-        g = use.g.to(dt).flatten(2).transpose(1, 2)                  # [B, L, out]
-        return a, g
-
-    def _shape(self, use, W2d):
-        return W2d.reshape(use.module.weight.shape)
-
-    def sq_norms(self, use):
-        a, g = self._ag(use)
-        out = {}
-        if use.module.weight.requires_grad:
-            out["weight"] = _linear_weight_sq(a, g)
-        if use.module.bias is not None and use.module.bias.requires_grad:
-            out["bias"] = g.sum(1).pow(2).sum(1)
-        return out
-
-    def weighted(self, use, w):
-        a, g = self._ag(use)
-        gw, a = _mask_rows(g, w), _keep_rows(a, w)
-        out = {}
-        if use.module.weight.requires_grad:
-            out["weight"] = self._shape(use, torch.einsum("bto,bti->oi", gw, a))
-        if use.module.bias is not None and use.module.bias.requires_grad:
-            out["bias"] = gw.sum((0, 1))
-        return out
+            st["bias"] = g.sum(dims) if dims else g
+        use.state, use.inp, use.g = st, None, None
 
     def per_example(self, use):
-        a, g = self._ag(use)
-        out = {}
-        if use.module.weight.requires_grad:
-            out["weight"] = torch.einsum("bto,bti->boi", g, a).reshape((a.shape[0],) + tuple(use.module.weight.shape))
-        if use.module.bias is not None and use.module.bias.requires_grad:
-            out["bias"] = g.sum(1)
-        return out
+        return dict(use.state)
+
+
+class FunctionalHandler(LayerHandler):
+    """Any other module with trainable parameters of its own (a ViT's class token and position
+    embeddings, a custom layer): per-example gradients of those parameters by vmap(grad) of
+    ⟨module(params; x_i), g_i⟩ over the examples, materialised (children keep their own hooks)."""
+
+    def per_example(self, use):
+        if "per_example" not in use.state:  # norms and the weighted sum both need it: compute once
+            use.state["per_example"] = self._vmap(use)
+        return use.state["per_example"]
+
+    def _vmap(self, use):
+        from torch.func import functional_call, grad, vmap
+
+        m = use.module
+        own = self.params(m)
+        B = use.g.shape[0]
+        batched = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == B for x in use.args]
+        kw_names = [k for k, x in use.kwargs.items() if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == B]
+
+        def one(params, args_b, kw_b, g):
+            args = list(use.args)
+            for j, x in zip([j for j, b in enumerate(batched) if b], args_b):
+                args[j] = x.unsqueeze(0)
+            kwargs = dict(use.kwargs)
+            kwargs.update({k: x.unsqueeze(0) for k, x in zip(kw_names, kw_b)})
+            out = functional_call(m, params, tuple(args), kwargs)
+            return (out.to(g.dtype) * g.unsqueeze(0)).sum()
+
+        detached = {k: p.detach() for k, p in own.items()}
+        args_b = tuple(x for x, b in zip(use.args, batched) if b)
+        kw_b = tuple(use.kwargs[k] for k in kw_names)
+        g = use.g.to(acc_dtype(use.g.dtype))
+        with torch.enable_grad():
+            grads = vmap(grad(one), in_dims=(None, 0, 0, 0))(detached, args_b, kw_b, g)
+        return {k: v.to(acc_dtype(v.dtype)) for k, v in grads.items()}
 
 
 HANDLERS: list[LayerHandler] = [LinearHandler(), EmbeddingHandler(), LayerNormHandler(), ConvHandler()]
+FUNCTIONAL = FunctionalHandler()
 
 
 def handler_for(module: nn.Module) -> LayerHandler | None:
+    """The handler of a module type (exact types: a subclass may change the forward)."""
     for h in HANDLERS:
         if type(module) in h.types:
             return h
     return None
+
+
+def _check_supported(name: str, module: nn.Module) -> None:
+    if isinstance(module, nn.Embedding) and type(module) is nn.Embedding and module.scale_grad_by_freq:
+        raise UserError(f"per-example gradients: embedding {name} uses scale_grad_by_freq, which mixes the "
+                        "examples of a batch; disable it")
+    if type(module) in (nn.Conv1d, nn.Conv2d) and (isinstance(module.padding, str) or module.groups != 1):
+        raise UserError(f"per-example gradients: {type(module).__name__} {name} with groups or string padding "
+                        "is not supported")
 
 
 # ------------------------------------------------------------------------------------------
@@ -246,10 +349,30 @@ def handler_for(module: nn.Module) -> LayerHandler | None:
 # ------------------------------------------------------------------------------------------
 
 
-class GradSampler:
-    """Hooks a module's supported layers; ``capture()`` wraps one forward pass.
+class _Tap(torch.autograd.Function):
+    """Identity on a layer's output whose backward hands the backprop to ``fn``.
 
-    ``names`` maps parameter objects to their names in the objective's ``params()``.
+    The anchor is a dummy leaf that every tap takes as an input: a backward pass to it reaches
+    each tap (and no parameter), so no weight gradient is ever computed.
+    """
+
+    @staticmethod
+    def forward(ctx, x, anchor, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.fn(g)
+        return g, None, None
+
+
+class GradSampler:
+    """Hooks a module's layers that own trainable parameters; ``capture()`` wraps one forward pass.
+
+    ``params`` maps names (those of the objective's ``params()``) to parameter tensors.
+    ``handler_for(module)`` picks each layer's handler (None: the vmap fallback), so a plugin can
+    substitute its own for chosen layers.
     """
 
     def __init__(self, model: nn.Module, params: dict[str, torch.Tensor],
@@ -258,17 +381,17 @@ class GradSampler:
         self.params = params
         ids = {id(p): n for n, p in params.items()}
         self.layers: list[tuple[nn.Module, LayerHandler, dict[str, str]]] = []
+        self._names: dict[int, str] = {}
         covered: set[str] = set()
         for mname, module in model.named_modules():
             own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad and id(p) in ids}
             if not own:
                 continue
-            h = handler_for(module)
-            if h is None:
-                raise UserError(f"per-example gradients: layer {mname or '<root>'} ({type(module).__name__}) has "
-                                f"trainable parameters but no per-example rule; freeze it or use backend: functorch")
+            _check_supported(mname or "<root>", module)
+            h = handler_for(module) or FUNCTIONAL
             local = {n: ids[id(p)] for n, p in own.items()}
             self.layers.append((module, h, local))
+            self._names[id(module)] = mname or "<root>"
             covered.update(local.values())
         missing = set(params) - covered
         if missing:
@@ -279,22 +402,59 @@ class GradSampler:
                 counts[n] = counts.get(n, 0) + 1
         #: parameters reached through more than one layer (tied weights): materialised
         self.shared = {n for n, c in counts.items() if c > 1}
+        self._handler = {id(m): h for m, h, _ in self.layers}
         self._uses: dict[int, list[Use]] = {}
         self._handles = []
+        self._anchor: torch.Tensor | None = None
 
-    def _hook(self, module, inputs, output):
-        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+    def _hook(self, module, args, kwargs, output):
+        if not torch.is_grad_enabled():
             return None
-        inp = inputs[0].detach()
+        if not isinstance(output, torch.Tensor):
+            raise UserError(f"per-example gradients: layer {self._names[id(module)]} ({type(module).__name__}) "
+                            f"returns {type(output).__name__}, not a tensor; freeze its parameters")
+        if not output.requires_grad:
+            return None
+        h = self._handler[id(module)]
+        functional = h is FUNCTIONAL
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        inp = x.detach() if isinstance(x, torch.Tensor) and not functional else None
         B = self._batch_size
         if output.shape[0] == 1 and B > 1:
             # A layer shared by the whole batch through broadcasting (BERT's position embeddings
             # see position_ids of shape [1, T]): expand its output so that each example gets its
             # own backprop. Autograd sums the expanded gradient back, so the model is unchanged.
             output = output.expand(B, *output.shape[1:])
-            inp = inp.expand(B, *inp.shape[1:])
-        self._uses.setdefault(id(module), []).append(Use(module, inp, output, output._version))
-        return output
+            if functional:
+                raise UserError(f"per-example gradients: layer {self._names[id(module)]} is shared by the batch "
+                                "through broadcasting; this needs a dedicated handler")
+            inp = inp.expand(B, *inp.shape[1:]) if inp is not None else None
+        fold = output.shape[0] // B if output.shape[0] != B and output.shape[0] % B == 0 else 1
+        if fold > 1:
+            # A batch-major flattened input, [B·T, F] (OPT's feed-forward reshapes [B, T, F] so):
+            # example i owns rows i·T .. (i+1)·T − 1.
+            if functional or inp is None or inp.shape[0] != output.shape[0]:
+                raise UserError(f"per-example gradients: layer {self._names[id(module)]} sees a leading dimension "
+                                f"{output.shape[0]} that is not the batch size {B}")
+            inp = inp.reshape(B, fold, *inp.shape[1:])
+        elif output.shape[0] != B:
+            raise UserError(f"per-example gradients: layer {self._names[id(module)]} sees a leading dimension "
+                            f"{output.shape[0]} that is not the batch size {B}")
+        use = Use(module, inp, None, 0)
+        if functional:
+            use.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+            use.kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+
+        def on_backprop(g, use=use, h=h, fold=fold):
+            use.g = g.reshape(B, fold, *g.shape[1:]) if fold > 1 else g
+            h.on_backprop(use)
+
+        if self._anchor is None:
+            self._anchor = torch.zeros((), device=output.device, requires_grad=True)
+        tapped = _Tap.apply(output, self._anchor, on_backprop)
+        use.out, use.version = tapped, tapped._version
+        self._uses.setdefault(id(module), []).append(use)
+        return tapped
 
     def capture(self, batch_size: int):
         sampler = self
@@ -303,7 +463,9 @@ class GradSampler:
             def __enter__(self_):
                 sampler._batch_size = batch_size
                 sampler._uses = {}
-                sampler._handles = [m.register_forward_hook(sampler._hook) for m, _, _ in sampler.layers]
+                sampler._anchor = None
+                sampler._handles = [m.register_forward_hook(sampler._hook, with_kwargs=True)
+                                    for m, _, _ in sampler.layers]
                 return sampler
 
             def __exit__(self_, *exc):
@@ -313,32 +475,40 @@ class GradSampler:
 
         return _Ctx()
 
-    def contribution(self, losses: torch.Tensor) -> "HookContribution":
-        """Backprops of Σ_i loss_i (non-finite losses are masked out) and the lazy contribution."""
+    def contribution(self, losses: torch.Tensor, cls: type | None = None, **extra) -> "HookContribution":
+        """Backprops of Σ_i loss_i (non-finite losses are masked out) and the lazy contribution.
+
+        ``cls`` (a HookContribution subclass) and ``extra`` fields let a plugin emit its own space.
+        """
         uses = [u for m, _, _ in self.layers for u in self._uses.get(id(m), [])]
         for u in uses:
             if u.out._version != u.version:
                 raise UserError(f"per-example gradients: the output of {type(u.module).__name__} is modified in "
                                 "place later in the forward pass (e.g. ReLU(inplace=True)); disable in-place ops")
+            u.out = None  # only the autograd graph refers to it now
         finite = torch.isfinite(losses)
         total = torch.where(finite, losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
-        if uses:
-            grads = torch.autograd.grad(total, [u.out for u in uses], allow_unused=True)
-            for u, g in zip(uses, grads):
-                u.g = torch.zeros_like(u.out) if g is None else g.detach()
-                u.out = None  # free the graph reference
+        anchor, self._anchor = self._anchor, None
+        if uses and total.requires_grad:
+            torch.autograd.grad(total, [anchor], allow_unused=True)
         self._uses = {}
-        by_module = {}
+        by_module: dict[int, list[Use]] = {}
         for u in uses:
-            by_module.setdefault(id(u.module), []).append(u)
+            # a call whose tap saw no backprop does not reach the loss: its gradient is zero
+            if u.g is not None or u.state:
+                by_module.setdefault(id(u.module), []).append(u)
         records = [(h, local, by_module.get(id(m), [])) for m, h, local in self.layers]
-        return HookContribution(records=records, shared=self.shared, n=losses.shape[0],
-                                losses=losses.detach(), finite=finite, params=self.params)
+        return (cls or HookContribution)(records=records, shared=self.shared, n=losses.shape[0],
+                                         losses=losses.detach(), finite=finite, params=self.params, **extra)
 
 
 @dataclass
 class HookContribution(DenseContribution):
-    """Dense per-example gradients, held as (activation, backprop) pairs per layer."""
+    """Dense per-example gradients, held as compact per-layer state (see the module docstring).
+
+    Subclasses that emit another space override ``_zero`` (the sum of a parameter no example
+    reached) and ``_aggregate``.
+    """
 
     records: list = field(default_factory=list)
     shared: set = field(default_factory=set)
@@ -350,6 +520,12 @@ class HookContribution(DenseContribution):
     @property
     def batch_size(self) -> int:
         return self.n
+
+    def _zero(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=p.device)
+
+    def _aggregate(self, tensors: dict[str, torch.Tensor]) -> Aggregate:
+        return DenseAggregate(tensors)
 
     def _materialised_shared(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -401,5 +577,5 @@ class HookContribution(DenseContribution):
             out[name] = _mask_rows(v, weights).sum(0)
         for name, p in self.params.items():
             if name not in out:
-                out[name] = torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=p.device)
-        return DenseAggregate({name: out[name] for name in self.params})
+                out[name] = self._zero(name, p)
+        return self._aggregate({name: out[name] for name in self.params})

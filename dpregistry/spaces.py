@@ -175,6 +175,12 @@ class ProjectedAggregate(Aggregate):
         super().__init__(tensors)
         self.projectors = projectors
 
+    def _check_compatible(self, other):
+        super()._check_compatible(other)
+        if other.projectors != self.projectors:
+            # micro-batches and ranks of one step must share P, or the sum mixes coordinate systems
+            raise ValueError("cannot add projected aggregates on different projectors")
+
     def lift(self, params):
         out = {}
         for k in params:

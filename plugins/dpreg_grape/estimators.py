@@ -1,0 +1,148 @@
+"""The projected per-example estimator: each example's Pᵀ·G of every projected layer, from hooks.
+
+For a linear layer with per-example inputs a_i [T, in] and backprops g_i [T, out], the gradient
+is G_i = g_iᵀ a_i (out × in). Its projection is formed from the factors, so G_i never exists
+(spec 003 §5, "fast path"):
+
+* left  (out ≤ in):  R_i = Pᵀ G_i = (g_i P)ᵀ a_i     [r × in]
+* right (out > in):  R_i = G_i P = g_iᵀ (a_i P)      [out × r]
+
+The handler projects the backprop (or the activation) the moment autograd produces it, then
+keeps the factors or R_i, whichever is smaller (dpregistry.persample.Outer): ghost norms when T²
+is small, the paper's B·r·n per-sample tensors otherwise. Unprojected parameters (embeddings,
+LayerNorm, biases, heads) keep the dense rules. The privatizer then clips flat over the projected
+and unprojected coordinates together and adds noise to each of them (spec §1.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from dpregistry import Estimator, StageParams, UserError
+from dpregistry.persample import GradSampler, HookContribution, LinearHandler, Outer, handler_for
+from dpregistry.spaces import PROJECTED, ProjectedAggregate, Projector, acc_dtype
+
+from .projection import LayerSelection, make_projector, period, projected_shape
+
+
+@dataclass
+class ProjectedHookContribution(HookContribution):
+    """Per-example contributions in the projected space: R_i per projected layer, G_i elsewhere."""
+
+    space: ClassVar[str] = PROJECTED
+    projectors: dict[str, Projector] = field(default_factory=dict)
+
+    def _zero(self, name, p):
+        pr = self.projectors.get(name)
+        if pr is None:
+            return super()._zero(name, p)
+        return torch.zeros(projected_shape(tuple(p.shape), pr.side, pr.rank), dtype=acc_dtype(p.dtype), device=p.device)
+
+    def _aggregate(self, tensors):
+        return ProjectedAggregate(tensors, dict(self.projectors))
+
+
+class ProjectedLinearHandler(LinearHandler):
+    """A Linear layer whose weight gradient is kept only in projected form."""
+
+    def __init__(self, estimator: "ProjectedPerExampleGrad", name: str):
+        self.estimator = estimator
+        self.name = name
+
+    def weight_product(self, use, a, g):
+        pr = self.estimator.current[self.name]
+        P = pr.matrix(a.device, a.dtype)
+        if pr.side == "left":
+            return Outer(g @ P, a)   # R_i = (g_i P)ᵀ a_i = Pᵀ g_iᵀ a_i
+        return Outer(g, a @ P)       # R_i = g_iᵀ (a_i P) = g_iᵀ a_i P
+
+    def weight_shape(self, use, prod):
+        pr = self.estimator.current[self.name]
+        return projected_shape(tuple(use.module.weight.shape), pr.side, pr.rank)
+
+
+def select_layers(module: nn.Module, params: dict[str, torch.Tensor], sel: LayerSelection,
+                  rank: int | None) -> dict[int, str]:
+    """The Linear layers whose weight is projected: module id -> weight name (spec §1.2, §6.5).
+
+    A weight that is tied to another layer (an LM head sharing the embedding) stays dense.
+    """
+    names = {id(p): n for n, p in params.items()}
+    uses: dict[int, int] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    out = {}
+    for m in module.modules():
+        if type(m) is not nn.Linear or id(m.weight) not in names or uses[id(m.weight)] > 1:
+            continue
+        name = names[id(m.weight)]
+        if sel.selects(name, tuple(m.weight.shape), rank):
+            out[id(m)] = name
+    return out
+
+
+class ProjectedParams(StageParams):
+    rank: int = Field(default=16, gt=0, description="r, the projection rank")
+    refresh_every: int = Field(default=100, gt=0, description="F: fresh projector seeds when t mod F == 0")
+    projector: Literal["gaussian", "identity", "orthogonal"] = Field(
+        default="gaussian", description="gaussian: N(0, 1/r) entries (DP-GRAPE); identity/orthogonal: for tests")
+    project: LayerSelection = Field(default_factory=LayerSelection)
+
+
+class ProjectedPerExampleGrad(Estimator):
+    """DP-GRAPE's per-example gradients: Pᵀ·G per projected Linear layer, built from hooks."""
+
+    name = "projected_per_example_grad"
+    space = PROJECTED
+    Params = ProjectedParams
+
+    def setup(self, run):
+        module = run.objective.module()
+        if module is None:
+            raise UserError("projected_per_example_grad needs an objective with a torch module", key="estimator")
+        self.rng = run.rng
+        self.params = run.params
+        sel, r = self.cfg.project, self.cfg.rank
+        #: projected layers: module id -> weight name, and weight name -> weight shape
+        self.projected = select_layers(module, run.params, sel, r)
+        self.shapes = {name: tuple(m.weight.shape) for m in module.modules()
+                       if (name := self.projected.get(id(m))) is not None}
+        if not self.projected:
+            raise UserError(f"no layer is projected (rank {r}, include {sel.include or 'all'}, exclude {sel.exclude}); "
+                            "lower the rank or widen estimator.project", key="estimator.project")
+        self.current: dict[str, Projector] = {}
+        self.sampler = GradSampler(module, run.params, handler_for=self._handler_for)
+
+    def _handler_for(self, module):
+        name = self.projected.get(id(module))
+        return ProjectedLinearHandler(self, name) if name is not None else handler_for(module)
+
+    def projectors(self, step: int) -> dict[str, Projector]:
+        """The projectors of engine step ``step``: one seed per layer per period (public randomness)."""
+        k = period(step, self.cfg.refresh_every)
+        return {name: make_projector(self.cfg.projector, self.rng.step_seed("grape_projector", k, name),
+                                     shape, self.cfg.rank)
+                for name, shape in self.shapes.items()}
+
+    def contributions(self, objective, indices, run):
+        # Fixed for the whole step: every micro-batch projects with the P the update will use.
+        self.current = self.projectors(run.step)
+        if len(indices) == 0:
+            yield ProjectedHookContribution(n=0, params=self.params, projectors=self.current,
+                                            losses=torch.zeros(0), finite=torch.zeros(0, dtype=torch.bool))
+            return
+        size = run.recipe.train.micro_batch_size or len(indices)
+        for i in range(0, len(indices), size):
+            chunk = indices[i:i + size]
+            with torch.enable_grad(), self.sampler.capture(len(chunk)):
+                losses = objective.losses(chunk)
+            yield self.sampler.contribution(losses, cls=ProjectedHookContribution, projectors=self.current)
+
+
+ESTIMATORS = (ProjectedPerExampleGrad,)
