@@ -293,6 +293,9 @@ def _print_summary(summary: dict, out: Path | None) -> None:
         t.add_row("zCDP", f"ρ = {summary['rho']:.4g}" + (f" of {target:.4g}" if target is not None else ""))
     if summary.get("noise_multiplier") is not None:
         t.add_row("noise multiplier", f"{summary['noise_multiplier']:.4g}")
+    if summary.get("noise") == "seeded" and summary.get("epsilon") not in (None, float("inf")):
+        t.add_row("noise", "derived from the recipe seed: reproducible, not secret (for a release set "
+                           "privacy.secure_noise: true or DPREG_NOISE_KEY)")
     t.add_row("steps", str(summary["step"]))
     for k, v in (summary.get("metrics") or {}).items():
         label = k.replace("_", " ") if k.startswith("train") else f"held-out {k}"

@@ -35,6 +35,8 @@ def init_from_env(timeout_s: float = 120.0) -> "TorchComm":
     """Join the process group that torchrun describes in the environment."""
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() and os.environ.get("DPREG_BACKEND") != "gloo" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return TorchComm()
 
@@ -43,6 +45,9 @@ class TorchComm:
     def __init__(self):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        # NCCL collectives take GPU tensors; gloo takes CPU tensors.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
         self.bytes_sent = 0  # payload bytes this rank contributed to collectives
         self.micro_batch: int | None = None
         self._chunks: list[tuple[int, int]] = []
@@ -80,7 +85,7 @@ class TorchComm:
     def all_reduce(self, total: ClippedSum) -> ClippedSum:
         """Sum the clipped sums (and their counts) over ranks, in place."""
         tensors = [total.aggregate.tensors[k] for k in sorted(total.aggregate.tensors)]
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, device=self.device)
         dist.all_reduce(flat)
         self.bytes_sent += flat.numel() * flat.element_size()
         start = 0
@@ -105,6 +110,12 @@ class TorchComm:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def any_flag(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (so that all ranks stop after the same step)."""
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def check_replicas(self, params: dict[str, torch.Tensor], step: int) -> None:
         """Raise if the parameters differ between ranks (they must be bit-identical)."""

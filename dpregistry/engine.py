@@ -58,6 +58,9 @@ class LocalComm:
     def check_replicas(self, params, step) -> None:
         pass
 
+    def any_flag(self, flag: bool) -> bool:
+        return flag
+
 
 @dataclass
 class Displacement:
@@ -293,6 +296,10 @@ class Run:
                     self._append_metrics(row)
                 if progress:
                     progress(self, result.metrics)
+                if self.comm.world_size > 1 and self.comm.any_flag(self.stop_reason is not None) \
+                        and not self.stop_reason:
+                    # A signal reached another rank: every rank stops after the same step.
+                    self.stop_reason = f"stopped at step {self.step}: another rank was stopped"
                 sc = self.recipe.train.sync_check_every
                 if self.comm.world_size > 1 and sc and (self.step % sc == 0 or last):
                     self.comm.check_replicas(self.params, self.step)
@@ -363,6 +370,7 @@ class Run:
             "accountant": self.accountant.name,
             "relation": self.relation,
             "noise_multiplier": getattr(self.privatizer, "noise_multiplier", None),
+            "noise": self.rng.noise_mode,
             "metrics": metrics,
             "wall_seconds": time.time() - t0,
             "stopped": self.stop_reason,
@@ -386,6 +394,7 @@ class Run:
         meta = {"step": self.step, "recipe": self.recipe.data, "recipe_hash": self.recipe.hash,
                 "version": __version__, "state": stage_state,
                 "noise_multiplier": getattr(self.privatizer, "noise_multiplier", None),
+                "noise": {"mode": self.rng.noise_mode, "key_fingerprint": self.rng.noise_fingerprint},
                 "nonfinite_steps": self.nonfinite_steps,
                 "log_window": [{k: v for k, v in m.items() if isinstance(v, (int, float))} for m in self._log_window],
                 "ledger": self.accountant.ledger.to_json()}
@@ -423,6 +432,12 @@ class Run:
         if meta["recipe_hash"] != self.recipe.hash:
             raise UserError("the checkpoint was written by a different recipe; resuming would change the "
                             "results or the privacy guarantee", key="recipe")
+        noise = meta.get("noise") or {"mode": "seeded"}
+        if noise["mode"] == "keyed" and noise.get("key_fingerprint") != self.rng.noise_fingerprint:
+            raise UserError("the run's privacy noise was keyed: set DPREG_NOISE_KEY to the same secret key to "
+                            "resume it (a different key would change the noise of the remaining steps)")
+        if noise["mode"] == "seeded" and self.rng.noise_mode == "keyed":
+            raise UserError("the run's noise derives from its seed, but DPREG_NOISE_KEY is set; unset it to resume")
         with torch.no_grad():
             for k, v in self.params.items():
                 v.copy_(tensors[f"params/{k}"].to(v.device, v.dtype))

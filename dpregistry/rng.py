@@ -4,10 +4,17 @@ Everything public (batch sampling, directions, projectors, O2NC's random points,
 iterate) is a pure function of the run seed, a purpose and the step: a replica or a resumed run
 regenerates it from the step alone, and logs can name the seeds.
 
-Privacy noise comes from a separate key that is derived one-way (SHA-256) from the run seed under
-its own domain, so no public step seed determines it (DPZero spec §7, coupling 6: the released
-code derived the noise from the direction seed). In secure mode the key comes from the operating
-system's entropy instead and is never written anywhere, so nothing but the noise itself changes.
+Privacy noise comes from a separate key, in one of three modes (``RunRNG.noise_mode``):
+
+* ``seeded`` (default): the key is derived one-way (SHA-256) from the run seed under its own
+  domain, so no public step seed determines it (DPZero spec §7, coupling 6: the released code
+  derived the noise from the direction seed). Runs reproduce bit for bit, but anyone who knows the
+  recipe's seed can regenerate the noise: fine for research, not for a release.
+* ``keyed``: the key is the secret in the environment variable ``DPREG_NOISE_KEY``. The run
+  reproduces for whoever holds the key and for nobody else; checkpoints store only a fingerprint
+  of it, and a resume must be given the same key.
+* ``secure`` (``privacy.secure_noise: true``): every draw comes from the operating system's
+  entropy (dpregistry.secure_noise); nothing but the noise changes between runs.
 """
 
 from __future__ import annotations
@@ -24,13 +31,31 @@ def derive(*parts: object) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
+NOISE_KEY_ENV = "DPREG_NOISE_KEY"
+
+
 class RunRNG:
-    def __init__(self, seed: int, secure_noise: bool = False):
+    def __init__(self, seed: int, secure_noise: bool = False, noise_key: str | None = None):
         self.seed = int(seed)
         self.secure_noise = secure_noise
-        # The noise key is secret: it is never logged or checkpointed in secure mode.
-        self._noise_key = os.urandom(32).hex() if secure_noise else hashlib.sha256(
-            f"dpregistry-noise\x1f{self.seed}".encode()).hexdigest()
+        if noise_key is None:
+            noise_key = os.environ.get(NOISE_KEY_ENV) or None
+        if secure_noise:
+            self.noise_mode = "secure"
+            self._noise_key = os.urandom(32).hex()  # never written anywhere
+        elif noise_key:
+            self.noise_mode = "keyed"
+            self._noise_key = hashlib.sha256(f"dpregistry-noise-key\x1f{noise_key}".encode()).hexdigest()
+        else:
+            self.noise_mode = "seeded"
+            self._noise_key = hashlib.sha256(f"dpregistry-noise\x1f{self.seed}".encode()).hexdigest()
+
+    @property
+    def noise_fingerprint(self) -> str | None:
+        """Identifies a keyed noise key without revealing it (stored in checkpoints)."""
+        if self.noise_mode != "keyed":
+            return None
+        return hashlib.sha256(f"dpregistry-noise-fingerprint\x1f{self._noise_key}".encode()).hexdigest()[:16]
 
     def step_seed(self, purpose: str, step: int, *extra: object) -> int:
         """Public seed for ``purpose`` at ``step``."""

@@ -13,7 +13,8 @@ from dpregistry.privacy.events import Gaussian, NonPrivate, clipped_sum_sensitiv
 
 
 class GaussianParams(StageParams):
-    clip: float = Field(gt=0, description="per-example L2 bound C, in the estimator's space (inf: no clipping)")
+    clip: float = Field(gt=0, allow_inf_nan=True,
+                        description="per-example L2 bound C, in the estimator's space (inf: no clipping)")
     noise_multiplier: float | Literal["auto"] = Field(
         default="auto", description="std of the noise on the clipped sum ÷ C; auto: calibrated to the budget")
 
