@@ -167,6 +167,9 @@ class Accountant(Stage):
 
     def can_afford(self, charges: Iterable[Charge]) -> bool:
         charges = list(charges)
+        b = self.budget
+        if (b.epsilon is None or b.delta is None) and b.rho is None:
+            return True  # no budget to enforce (a non-private run, or one that only reports ε)
         need: Counter = Counter()
         for c in charges:
             need[(c.event, c.partition)] += c.count
