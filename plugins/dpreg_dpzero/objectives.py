@@ -153,6 +153,14 @@ class ByteTokenizer:
 # ------------------------------------------------------------------------------------------
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")
+
+
+def _has_tokenizer(folder: str) -> bool:
+    return any((Path(folder) / f).exists() for f in TOKENIZER_FILES)
+
+
 def shipped_config(name: str):
     """The transformers config of a shipped architecture."""
     from transformers import AutoConfig
@@ -256,7 +264,7 @@ class PromptLM(TorchObjective):
             return ByteTokenizer(config, words, self.masked)
         from transformers import AutoTokenizer
 
-        source = m.tokenizer or folder
+        source = m.tokenizer or (folder if folder is not None and _has_tokenizer(folder) else None)
         if source is not None:
             try:
                 return HFPromptTokenizer(AutoTokenizer.from_pretrained(source))
