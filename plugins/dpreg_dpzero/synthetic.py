@@ -214,7 +214,15 @@ def simulate_dpgd(problem: Problem, configs: list[Config], *, epsilon: float = 2
     sq_ax = AX.pow(2).sum(1)                     # ‖A x_i‖²
     x = torch.zeros(K, d, dtype=dt)
     gen = torch.Generator().manual_seed(seed + 104729)
-    for t in range(int(steps.max())):  # (n×d products per step: multithreaded)
+    with threads(1):
+        _dpgd_steps(steps, lr, clip, sigma, a, AX, sq_ax, x, gen, n, d, dt)
+    out = torch.empty_like(x)
+    out[torch.tensor(order)] = x
+    return out
+
+
+def _dpgd_steps(steps, lr, clip, sigma, a, AX, sq_ax, x, gen, n, d, dt):
+    for t in range(int(steps.max())):
         k = int((steps > t).sum())
         ax = x[:k] * a                           # [k, d]
         cross = ax @ AX.T                        # [k, n]
@@ -223,9 +231,6 @@ def simulate_dpgd(problem: Problem, configs: list[Config], *, epsilon: float = 2
         clipped = (ax * w.sum(1, keepdim=True) - w @ AX) / n   # (1/n) Σ_i w_i A(x − x_i)
         z = torch.randn(k, d, generator=gen, dtype=dt)
         x[:k] -= lr[:k, None] * (clipped + sigma[:k, None] * z)
-    out = torch.empty_like(x)
-    out[torch.tensor(order)] = x
-    return out
 
 
 def best(problem: Problem, configs: list[Config], finals: torch.Tensor) -> tuple[float, Config]:
