@@ -177,3 +177,15 @@ def test_theorems_1_and_2_reference_values():
     assert p2.sigma == pytest.approx(kov_sigma(100, 10_000, p2.steps, 2.0, 1e-6), rel=1e-12)
     with pytest.raises(ValueError):
         params_theorem2(10_000, 100, 200, 2.0, 1e-6)  # r > d
+
+
+def test_accountant_without_budget_records_charges():
+    """Core change: with no (ε, δ) or ρ target nothing is enforced, but the ledger still records."""
+    from dpreg_accounting.accountants import RdpAccountant
+
+    acc = RdpAccountant()
+    acc.bind(Budget(relation="replace_one"))
+    acc.charge([Charge(NonPrivate()), Charge(Gaussian(std=2.0, sensitivity=2.0))], step=0)
+    assert acc.ledger.n_charges == 2
+    acc.bind(Budget(epsilon=1.0, delta=1e-5))
+    assert not acc.can_afford([Charge(NonPrivate())])    # with a budget, a non-private release is refused
