@@ -157,8 +157,17 @@ def child(args) -> dict:
                 torch.cuda.synchronize()
             out.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() if cuda else (_kib("VmHWM") - base) * 1024
+    sweep = None
+    if args.measure == "dpzero":  # one parameter sweep alone (x += 0·u: regenerates u, changes nothing)
+        from dpregistry.directions import Direction
+
+        t0 = time.perf_counter()
+        Direction(12345).add_(list(run.params.values()), 0.0)
+        if cuda:
+            torch.cuda.synchronize()
+        sweep = time.perf_counter() - t0
     return {"measure": args.measure, "peak_bytes": peak, "seconds": statistics.median(times), "times": times,
-            "forward_seconds": statistics.median(fwd_times),
+            "forward_seconds": statistics.median(fwd_times), "sweep_seconds": sweep,
             "params": n_params, "batch": int(len(idx)),
             "tokens": sum(len(obj.train_tok[i][0]) for i in idx.tolist())}
 
@@ -197,6 +206,8 @@ def main(argv=None):
     print(f"DPZero step peak ÷ inference forward peak : {z['peak_bytes'] / f['peak_bytes']:.3f}   (target ≤ 1.10)")
     print(f"DPZero step time ÷ (2 × forward time)      : {z['seconds'] / (2 * z['forward_seconds']):.3f}   "
           f"(target ≤ 1.15; forward timed interleaved with the steps, medians of {args.repeats})")
+    print(f"  (one parameter sweep ÷ one forward: {z['sweep_seconds'] / z['forward_seconds']:.3f}; a step is two "
+          f"forwards and three sweeps)")
     if "dp_adam" in results:
         a = results["dp_adam"]
         print(f"DPZero step peak ÷ DP-Adam step peak       : {z['peak_bytes'] / a['peak_bytes']:.3f}   "
