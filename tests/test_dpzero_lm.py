@@ -4,7 +4,6 @@ trainable subsets and dtypes, and the DPZero recipes."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
