@@ -85,7 +85,8 @@ class Run:
         self.relation = p.relation
         self.rng = RunRNG(recipe.seed, p.secure_noise)
         try:
-            self.device = torch.device(recipe.train.device)
+            self._device = torch.device(recipe.train.device)
+            self._device_checked = False
         except RuntimeError as e:
             raise UserError(f"not a torch device ({str(e).splitlines()[0]})", file=recipe.source,
                             **_key(recipe, "train", "device")) from None
@@ -135,11 +136,21 @@ class Run:
         A UserError that a stage raises without a file is located in the recipe (file, line, key)."""
         self._section: str | None = None
         try:
-            _check_device(self.device, self.recipe)
             self._prepare_stages()
+            self.device  # noqa: B018  (an objective that never placed a tensor still gets the check)
         except UserError as e:
             raise _locate(e, self.recipe, self._section)
         return self
+
+    @property
+    def device(self) -> torch.device:
+        """The run's device, checked on first use: objectives resolve their model and data paths
+        before they place anything, so a missing model is reported even on a machine without the
+        device the recipe asks for."""
+        if not self._device_checked:
+            _check_device(self._device, self.recipe)
+            self._device_checked = True
+        return self._device
 
     def _prepare_stages(self) -> None:
         self._section = "objective"

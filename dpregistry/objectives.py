@@ -54,8 +54,7 @@ class TorchObjective(Objective):
 
     def setup(self, run) -> None:
         self.run = run
-        self.device = run.device
-        self.build(run)
+        self.build(run)  # resolves model and data paths before it places anything on run.device
         self.model.eval()
         trainable: Trainable = getattr(self.cfg, "trainable", None) or Trainable()
         for name, p in self.model.named_parameters():
@@ -64,6 +63,10 @@ class TorchObjective(Objective):
         if not self._params:
             raise UserError("no parameter matches objective.trainable; the model has no trainable parameters",
                             key="objective.trainable")
+
+    @property
+    def device(self):
+        return self.run.device
 
     def params_cfg(self):
         return self.cfg

@@ -362,7 +362,7 @@ def resolve(data: dict[str, Any], locs: dict[tuple, Loc], registry: Registry, so
         raise _pydantic_error(e, ("algorithm",), locs, alg_entry.cls.Params, file, alg_params) from None
     _no_nan(ap.model_dump(), ("algorithm",), locs, file)
     stages["algorithm"] = (alg_entry, ap)
-    resolved["algorithm"] = {"name": alg_name, **ap.model_dump(mode="json")}
+    resolved["algorithm"] = {"name": alg_name, **ap.model_dump(mode="json", by_alias=True)}
 
     for section, kind in SECTIONS.items():
         default = copy.deepcopy(alg_entry.cls.defaults.get(section))
@@ -388,7 +388,7 @@ def resolve(data: dict[str, Any], locs: dict[tuple, Loc], registry: Registry, so
             raise _pydantic_error(e, (section,), locs, entry.cls.Params, file, params) from None
         _no_nan(p.model_dump(), (section,), locs, file)  # "nan" strings become NaN floats in pydantic
         stages[kind] = (entry, p)
-        resolved[section] = {"name": entry.name, **p.model_dump(mode="json")}
+        resolved[section] = {"name": entry.name, **p.model_dump(mode="json", by_alias=True)}
 
     try:
         privacy = PrivacySection.model_validate(data.get("privacy") or {})

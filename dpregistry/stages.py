@@ -46,7 +46,8 @@ class StageParams(BaseModel):
     """Base of every stage's recipe schema: unknown keys are errors, and so are NaN and ±inf
     (a field that means something by inf, like a clip of inf, says so with allow_inf_nan=True)."""
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False,
+                              populate_by_name=True)
 
 
 class Stage:

@@ -85,8 +85,6 @@ class ZOParams(StageParams):
     direction: Literal["gaussian", "sphere"] = Field(
         default="gaussian", description="u ~ N(0, I) (practice) or uniform on the sphere of radius √d (theory)")
 
-    model_config = {"populate_by_name": True, "extra": "forbid"}
-
 
 class ZOTwoPoint(Estimator):
     """Two-point zeroth-order estimate: per-example (f(x+λu) − f(x−λu))/2λ on one shared seeded u.

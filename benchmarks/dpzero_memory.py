@@ -1,0 +1,219 @@
+"""DPZero memory and speed: one step of OPT (built from a config, random weights) against inference.
+
+Prints, measured in one run of this script (every number from the same machine state):
+
+* peak memory of a DPZero step ÷ peak memory of one inference forward at the same batch (target ≤ 1.10);
+* DPZero step time ÷ (2 × forward time) (target ≤ 1.15; 1.0 plus three parameter sweeps is the limit);
+* DPZero peak memory ÷ DP-Adam peak memory on the same model (the paper: 2,668 vs 21,494 MiB); the
+  DP-Adam here is the leanest possible (per-example gradients one example at a time), so the
+  ratio is an upper bound on what DPZero saves against a batched implementation.
+
+Memory method (CPU): every measurement runs in a fresh child process. The child reads its resident
+set size after importing torch (``base``), builds the model and data, runs the operation once to
+warm up, resets the kernel's peak-RSS counter (``echo 5 > /proc/self/clear_refs``, Linux ≥ 4.0),
+runs the operation again and reads ``VmHWM``. "Peak memory" is VmHWM − base: the parameters, the
+activations and every temporary, as the GPU's max_memory_allocated counts them, without the Python
+and torch runtime. Large tensors are mmap'ed by the allocator, so freed memory leaves the RSS and
+the counter sees true peaks. On CUDA (``--device cuda``) torch.cuda.max_memory_allocated is used.
+
+Usage: python benchmarks/dpzero_memory.py [--model opt-125m] [--batch 16] [--max-length 64]
+       [--dtype float32] [--device cpu] [--data DIR] [--skip-dp-adam]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SENTENCES = ["a gripping , beautifully made film that never lets go", "dull and lifeless from start to finish",
+             "it never finds its footing and the jokes fall flat", "a wonderful , moving story of friendship",
+             "the plot is thin but the performances are terrific", "one of the most charming films of the year"]
+
+
+def _kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _data_dir(args) -> str:
+    if args.data:
+        return args.data
+    d = Path(tempfile.mkdtemp())
+    rows = "sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(SENTENCES * 20))
+    (d / "train.tsv").write_text(rows)
+    (d / "test.tsv").write_text(rows)
+    return str(d)
+
+
+def _recipe(args, algorithm: str) -> dict:
+    r = {"algorithm": algorithm, "seed": 0,
+         "objective": {"name": "causal_lm_prompt",
+                       "model": {"path": args.model, "init": "random", "dtype": args.dtype,
+                                 "max_length": args.max_length, "tokenizer": "byte"},
+                       "data": {"path": _data_dir(args), "k_per_class": 48, "max_test": 8}},
+         "sampler": {"name": "shuffle", "batch_size": args.batch},
+         "privatizer": {"name": "gaussian", "clip": 10.0, "noise_multiplier": 1.0},
+         "train": {"steps": 1000, "device": args.device, "log_every": 10_000}}
+    r["update"] = {"name": "directional_sgd", "lr": 1e-5}
+    return r
+
+
+def lean_dp_adam_step(run, idx, clip=10.0, noise_multiplier=1.0, lr=1e-5, betas=(0.9, 0.999), eps=1e-8, state={}):
+    """DP-Adam with the least memory it can have: per-example gradients one example at a time
+    (one backward each), clipped and summed, Gaussian noise, Adam. Memory: parameters, Adam's two
+    moments, the clipped sum, one gradient and one example's activations.
+
+    (The core's per-example hooks cannot serve OPT: its feed-forward layers see [B·L, H] inputs,
+    so their batch dimension is not the examples'; see the report.)"""
+    import torch
+
+    params = list(run.params.values())
+    if not state:
+        state.update(t=0, m=[torch.zeros_like(p) for p in params], v=[torch.zeros_like(p) for p in params],
+                     acc=[torch.zeros_like(p) for p in params])
+    for a in state["acc"]:
+        a.zero_()
+    for i in idx:
+        with torch.enable_grad():
+            loss = run.objective.losses(i.reshape(1)).sum()
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None))
+        w = float(torch.clamp(clip / norm, max=1.0))
+        for a, g in zip(state["acc"], grads):
+            if g is not None:
+                a.add_(g, alpha=w)
+        del grads
+    src = run.noise()
+    state["t"] += 1
+    b1, b2 = betas
+    with torch.no_grad():
+        for p, a, m, v in zip(params, state["acc"], state["m"], state["v"]):
+            a.add_(src.randn(a.shape, dtype=a.dtype), alpha=noise_multiplier * clip).div_(len(idx))
+            m.mul_(b1).add_(a, alpha=1 - b1)
+            v.mul_(b2).addcmul_(a, a, value=1 - b2)
+            p.addcdiv_(m / (1 - b1 ** state["t"]), (v / (1 - b2 ** state["t"])).sqrt_().add_(eps), value=-lr)
+
+
+def child(args) -> dict:
+    """One measurement in this (fresh) process; prints JSON."""
+    import torch
+    import yaml
+
+    from dpregistry.engine import Run
+    from dpregistry.recipe import load
+
+    cuda = args.device.startswith("cuda")
+    base = _kib("VmRSS")
+    algorithm = "dpzero"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "r.yaml"
+        path.write_text(yaml.safe_dump(_recipe(args, algorithm)))
+        run = Run(load(path), None).prepare()
+    obj = run.objective
+    idx = run.sampler.indices(0, run)
+    n_params = sum(p.numel() for p in run.params.values())
+
+    def forward():
+        with torch.no_grad():
+            obj.losses(idx)
+
+    def step():
+        run._noise_calls = 0
+        try:
+            run.algorithm.step(run)
+        finally:
+            run.undo_displacement()
+        run.step += 1
+
+    op = {"forward": forward, "dpzero": step, "dp_adam": lambda: lean_dp_adam_step(run, idx)}[args.measure]
+    op()  # warm-up: lazy allocations, thread pools
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    _reset_peak()
+    fwd_times = []
+    for _ in range(args.repeats):
+        for fn, out in ((op, times), (forward, fwd_times)):
+            # forward passes interleaved with the steps: the time ratio compares like with like
+            # even when the machine's load changes (forward-only memory stays below a step's)
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            out.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() if cuda else (_kib("VmHWM") - base) * 1024
+    sweep = None
+    if args.measure == "dpzero":  # one parameter sweep alone (x += 0·u: regenerates u, changes nothing)
+        from dpregistry.directions import Direction
+
+        t0 = time.perf_counter()
+        Direction(12345).add_(list(run.params.values()), 0.0)
+        if cuda:
+            torch.cuda.synchronize()
+        sweep = time.perf_counter() - t0
+    return {"measure": args.measure, "peak_bytes": peak, "seconds": statistics.median(times), "times": times,
+            "forward_seconds": statistics.median(fwd_times), "sweep_seconds": sweep,
+            "params": n_params, "batch": int(len(idx)),
+            "tokens": sum(len(obj.train_tok[i][0]) for i in idx.tolist())}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="opt-125m")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-length", type=int, default=64)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--data", default=None, help="a folder with train.tsv/test.tsv (default: built-in sentences)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-dp-adam", action="store_true")
+    ap.add_argument("--measure", choices=["forward", "dpzero", "dp_adam"], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.measure:
+        print(json.dumps(child(args)))
+        return
+
+    results = {}
+    for m in ["forward", "dpzero"] + ([] if args.skip_dp_adam else ["dp_adam"]):
+        cmd = [sys.executable, __file__, "--measure", m, "--model", args.model, "--batch", str(args.batch),
+               "--max-length", str(args.max_length), "--dtype", args.dtype, "--device", args.device,
+               "--repeats", str(1 if m == "dp_adam" else args.repeats)] + (["--data", args.data] if args.data else [])
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            print(out.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"measurement {m} failed")
+        results[m] = json.loads(out.stdout.strip().splitlines()[-1])
+        r = results[m]
+        print(f"{m:8s} peak {r['peak_bytes'] / 2**20:9.1f} MiB   {r['seconds']:8.3f} s   "
+              f"({r['params'] / 1e6:.1f} M params, batch {r['batch']}, {r['tokens']} tokens)", flush=True)
+    f, z = results["forward"], results["dpzero"]
+    print(f"\nmodel {args.model} ({args.dtype}, {args.device}), batch {args.batch}, max_length {args.max_length}")
+    print(f"DPZero step peak ÷ inference forward peak : {z['peak_bytes'] / f['peak_bytes']:.3f}   (target ≤ 1.10)")
+    print(f"DPZero step time ÷ (2 × forward time)      : {z['seconds'] / (2 * z['forward_seconds']):.3f}   "
+          f"(target ≤ 1.15; forward timed interleaved with the steps, medians of {args.repeats})")
+    print(f"  (one parameter sweep ÷ one forward: {z['sweep_seconds'] / z['forward_seconds']:.3f}; a step is two "
+          f"forwards and three sweeps)")
+    if "dp_adam" in results:
+        a = results["dp_adam"]
+        print(f"DPZero step peak ÷ DP-Adam step peak       : {z['peak_bytes'] / a['peak_bytes']:.3f}   "
+              f"(paper, RoBERTa-large: 2668/21494 = 0.124)")
+        print(f"DP-Adam step time ÷ DPZero step time       : {a['seconds'] / z['seconds']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The vector form of the two-point estimator, for DPGD-0th (DPZero paper, Alg. 1).
+
+Per example it computes the same scalar central difference as ``zo_two_point``,
+Δ_i = (f(x+λu; ξ_i) − f(x−λu; ξ_i))/(2λ), but hands the privatizer the *vector* g_i = Δ_i·u in
+the ``vector_zo`` space: clipping is on ‖Δ_i·u‖ = |Δ_i|·‖u‖ (so C bounds the vector norm, spec §7
+coupling 2), and the clipped sum is lifted to dense coordinates, so the privacy noise is
+d-dimensional. With one direction it draws u from the same public seed as ``zo_two_point``, so
+the two algorithms see the same u_t (spec §8 G).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from dpregistry import Estimator, StageParams
+from dpregistry.directions import Direction
+from dpregistry.engine import Displacement
+from dpregistry.spaces import VECTOR_ZO, VectorZOContribution, acc_dtype
+
+
+class ZOVectorParams(StageParams):
+    smoothing: float = Field(default=1e-3, gt=0, alias="lambda", description="λ, the perturbation size")
+    direction: Literal["gaussian", "sphere"] = Field(
+        default="sphere", description="u uniform on the sphere of radius √d (Alg. 1) or u ~ N(0, I)")
+    directions: int = Field(default=1, ge=1, description="m directions per step; the estimate averages them")
+
+
+def direction_for(run, j: int, distribution: str) -> Direction:
+    """The j-th public direction of the current step (j = 0 is ``zo_two_point``'s u)."""
+    seed = run.rng.step_seed("direction", run.step) if j == 0 else run.rng.step_seed("direction", run.step, j)
+    return Direction(seed, distribution)
+
+
+class ZOTwoPointVector(Estimator):
+    """Two-point zeroth-order gradients Δ_i·u as vectors (clipped in L2, noised in d dims): DPGD-0th.
+
+    Perturbs in place from a public seed (no parameter copy); leaves the parameters at x − λu of
+    the last direction, registered as the run's displacement, for the update rule to restore.
+    """
+
+    name = "zo_two_point_vector"
+    space = VECTOR_ZO
+    Params = ZOVectorParams
+
+    def contributions(self, objective, indices, run):
+        names = tuple(run.params)
+        tensors = list(run.params.values())
+        m, lam = self.cfg.directions, self.cfg.smoothing
+        dirs = tuple(direction_for(run, j, self.cfg.direction) for j in range(m))
+        if len(indices) == 0:
+            yield VectorZOContribution(values=torch.zeros(0, m), directions=dirs, params=dict(run.params),
+                                       losses=torch.zeros(0))
+            return
+        cols, mids = [], []
+        with torch.no_grad():
+            for j, u in enumerate(dirs):
+                if j:  # restore x from the previous direction's x − λu
+                    run.undo_displacement()
+                u.add_(tensors, lam)
+                run.displacement = Displacement(u, names, lam)
+                plus = objective.losses(indices)
+                u.add_(tensors, -2 * lam)
+                run.displacement = Displacement(u, names, -lam)
+                minus = objective.losses(indices)
+                dt = acc_dtype(plus.dtype)
+                cols.append((plus.to(dt) - minus.to(dt)) / (2 * lam * m))
+                mids.append((plus.to(dt) + minus.to(dt)) / 2)
+        values = torch.stack(cols, 1)
+        yield VectorZOContribution(values=values, directions=dirs, params=dict(zip(names, tensors)),
+                                   losses=torch.stack(mids, 1).mean(1))
+
+
+ESTIMATORS = (ZOTwoPointVector,)

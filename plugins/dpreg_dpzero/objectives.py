@@ -1,0 +1,417 @@
+"""Prompt-based classification with language models: OPT (causal) and RoBERTa (masked).
+
+The loss of example i is the cross-entropy over the label words' logits at the position that
+predicts the label word (MeZO/DPZero setting, spec §5.2):
+
+* causal LM: the prompt is ``template`` (e.g. "{sentence} It was"); the label word would be the
+  next token, so the logits come from the last prompt token;
+* masked LM: the prompt holds ``{mask}`` (e.g. "{sentence} It was {mask} ."); the logits come from
+  the mask position.
+
+Only the hidden state of that one position goes through the LM head, and only the label words'
+columns are kept: the same numbers as the full vocabulary logits, without a [B, L, V] tensor.
+Sequences are right-padded with an attention mask, so padding never changes another example's
+loss (causal attention never looks right; masked keys get zero weight; positions count real tokens).
+
+Models: ``model.path`` is a local folder, a hub id (used only if already downloaded, see
+:mod:`dpregistry.hf`), or a configuration that ships with this plugin (``opt-125m``, ``opt-1.3b``,
+``opt-6.7b``, ``roberta-base``, ``roberta-large``, also under their hub ids). With
+``init: random`` the architecture is built from that configuration and nothing is loaded, which is
+how memory and speed are measured without the weights. Then, unless ``model.tokenizer`` names a
+folder, a byte-level tokenizer stands in (:class:`ByteTokenizer`).
+
+Trainable subsets: every parameter (default), name filters (``trainable.include``/``exclude``,
+regular expressions), or LoRA adapters injected with ``peft`` (``model.lora``; the base weights
+are then frozen unless ``trainable`` says otherwise). Parameters may be fp32, fp16 or bf16.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dpregistry import StageParams, UserError
+from dpregistry.data import k_shot, load_table
+from dpregistry.objectives import DTYPES, TorchObjective, Trainable, seeded
+from dpreg_baseline.objectives import TextData
+
+CONFIGS = Path(__file__).with_name("configs")
+#: names (and hub ids) whose architecture ships with the plugin, as small JSON configs
+HUB_IDS = {"opt-125m": "facebook/opt-125m", "opt-1.3b": "facebook/opt-1.3b", "opt-6.7b": "facebook/opt-6.7b",
+           "roberta-base": "FacebookAI/roberta-base", "roberta-large": "FacebookAI/roberta-large"}
+SHIPPED = {**{k: k for k in HUB_IDS}, **{v: k for k, v in HUB_IDS.items()}}
+MASK = "{mask}"
+
+
+class _Sub(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LoraSection(_Sub):
+    r: int = Field(default=8, gt=0)
+    alpha: float = Field(default=16.0, gt=0)
+    target_modules: list[str] | None = Field(default=None, description="default: peft's choice for the model type")
+
+
+class PromptModel(_Sub):
+    path: str = Field(default="opt-125m", description="folder, hub id (if downloaded) or a shipped config name")
+    init: Literal["pretrained", "random"] = "pretrained"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    max_length: int = Field(default=128, gt=1)
+    tokenizer: str | None = Field(default=None, description="tokenizer folder, or 'byte' (default: the model's; "
+                                                            "byte-level for random init without one)")
+    lora: LoraSection | None = None
+
+
+class PromptSection(_Sub):
+    template: str | None = Field(default=None, description="text with {column} fields (and {mask} for masked LMs)")
+    label_words: list[str] = Field(default_factory=lambda: [" terrible", " great"],
+                                   description="one word per label, in label order (mind the leading space)")
+
+
+class PromptParams(StageParams):
+    model: PromptModel = Field(default_factory=PromptModel)
+    prompt: PromptSection = Field(default_factory=PromptSection)
+    data: TextData = Field(default_factory=TextData)
+    trainable: Trainable = Field(default_factory=Trainable)
+
+    @model_validator(mode="after")
+    def _lora_trains_adapters(self):
+        if self.model.lora is not None and not self.trainable.include:
+            self.trainable = Trainable(include=["lora_"], exclude=self.trainable.exclude)
+        return self
+
+
+# ------------------------------------------------------------------------------------------
+# tokenizers
+# ------------------------------------------------------------------------------------------
+
+
+class HFPromptTokenizer:
+    """A Hugging Face tokenizer: the prompt with the model's special tokens; label words must be one token."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self.mask_text = tok.mask_token
+        self.mask_id = tok.mask_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text)["input_ids"])
+
+    def word_id(self, word: str) -> int:
+        ids = self.tok(word, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise UserError(f"label word {word!r} is {len(ids)} tokens for this tokenizer; prompt-based "
+                            "classification needs one token per word (a word inside a sentence usually needs its "
+                            "leading space, e.g. ' great')", key="objective.prompt.label_words")
+        return ids[0]
+
+
+class ByteTokenizer:
+    """Stand-in tokenizer for randomly initialised models: UTF-8 bytes as ids 4–259, each label
+    word and the mask as one whole token (ids 260+), the model's own bos/eos/pad ids.
+
+    It exists so that a run from random weights (memory and speed measurements) needs no download;
+    it means nothing to a pretrained model.
+    """
+
+    BYTE0 = 4
+
+    def __init__(self, config, label_words: list[str], masked: bool):
+        self.bos = config.bos_token_id
+        self.eos = config.eos_token_id
+        self.pad_id = config.pad_token_id if config.pad_token_id is not None else 1
+        self.masked = masked
+        self.words = {w: self.BYTE0 + 256 + k for k, w in enumerate(label_words)}
+        self.mask_id = self.BYTE0 + 256 + len(label_words)
+        self.mask_text = "\x00<mask>\x00"
+        if self.mask_id >= config.vocab_size:
+            raise UserError("the vocabulary is too small for the byte-level tokenizer")
+
+    def encode(self, text: str) -> list[int]:
+        ids = [] if self.bos is None else [self.bos]
+        for k, part in enumerate(text.split(self.mask_text)):
+            if k:
+                ids.append(self.mask_id)
+            ids.extend(self.BYTE0 + b for b in part.encode("utf-8"))
+        if self.masked and self.eos is not None:
+            ids.append(self.eos)
+        return ids
+
+    def word_id(self, word: str) -> int:
+        return self.words[word]
+
+
+# ------------------------------------------------------------------------------------------
+# model resolution
+# ------------------------------------------------------------------------------------------
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")
+
+
+def _has_tokenizer(folder: str) -> bool:
+    return any((Path(folder) / f).exists() for f in TOKENIZER_FILES)
+
+
+def shipped_config(name: str):
+    """The transformers config of a shipped architecture."""
+    from transformers import AutoConfig
+
+    data = json.loads((CONFIGS / f"{SHIPPED[name]}.json").read_text())
+    data.pop("architectures", None)
+    data.pop("_name_or_path", None)
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def _random_init_hint() -> str:
+    return ("; or run with --set model.init=random to build the same architecture from random weights "
+            "(for memory and speed measurements)")
+
+
+def resolve_config(path: str, init: str):
+    """(config, folder or None): the architecture and, if there is one, a local folder with files."""
+    from transformers import AutoConfig
+
+    from dpregistry.hf import resolve_model_dir
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise UserError(f"{p} has no config.json; it is not a Hugging Face model folder", key="model.path")
+        return AutoConfig.from_pretrained(p), str(p)
+    if init == "random" and path in SHIPPED:
+        return shipped_config(path), None
+    if init == "pretrained" and path in SHIPPED and "/" not in path:
+        raise UserError(f"{path!r} names a shipped configuration without weights; set model.path to a folder "
+                        f"with the weights (a download of {HUB_IDS[path]})" + _random_init_hint(),
+                        key="model.path")
+    try:
+        folder = resolve_model_dir(path, need_weights=init == "pretrained")
+    except UserError as e:
+        raise UserError(e.message + (_random_init_hint() if init == "pretrained" else ""), key="model.path") from None
+    return AutoConfig.from_pretrained(folder), folder
+
+
+# ------------------------------------------------------------------------------------------
+# objectives
+# ------------------------------------------------------------------------------------------
+
+
+class PromptLM(TorchObjective):
+    """Shared machinery; subclasses say which position is read and which LM class to build."""
+
+    Params = PromptParams
+    masked: bool = False
+    default_template: str = ""
+
+    # -- build ----------------------------------------------------------------------------
+
+    def _auto_class(self):
+        from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+        return AutoModelForMaskedLM if self.masked else AutoModelForCausalLM
+
+    def _load_model(self, run):
+        m = self.cfg.model
+        config, folder = resolve_config(m.path, m.init)
+        dtype = DTYPES[m.dtype]
+        auto = self._auto_class()
+        try:
+            with seeded(run.rng.step_seed("init", 0)):
+                if m.init == "random":
+                    with torch.device(run.device):
+                        lm = auto.from_config(config, dtype=dtype)
+                else:
+                    lm = auto.from_pretrained(folder, dtype=dtype).to(run.device)
+        except ValueError as e:  # a config this LM class does not know
+            kind = "masked" if self.masked else "causal"
+            raise UserError(f"{m.path!r} is not a {kind} language model ({str(e).splitlines()[0]})",
+                            key="model.path") from None
+        except OSError as e:
+            raise UserError(f"cannot load the weights of {m.path!r} ({str(e).splitlines()[0]})"
+                            + _random_init_hint(), key="model.path") from None
+        if m.lora is not None:
+            lm = self._inject_lora(lm, run)
+        return lm, config, folder
+
+    def _inject_lora(self, lm, run):
+        try:
+            from peft import LoraConfig, inject_adapter_in_model
+        except ImportError:
+            raise UserError("model.lora needs the package peft (pip install peft)", key="model.lora") from None
+        lc = self.cfg.model.lora
+        conf = LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=0.0, target_modules=lc.target_modules)
+        with seeded(run.rng.step_seed("lora_init", 0)):
+            lm = inject_adapter_in_model(conf, lm)
+        # adapters are created in fp32; keep them in the model's dtype (and device)
+        return lm.to(run.device, DTYPES[self.cfg.model.dtype])
+
+    def _tokenizer(self, config, folder):
+        m = self.cfg.model
+        words = self.cfg.prompt.label_words
+        if m.tokenizer == "byte":
+            return ByteTokenizer(config, words, self.masked)
+        from transformers import AutoTokenizer
+
+        source = m.tokenizer or (folder if folder is not None and _has_tokenizer(folder) else None)
+        if source is not None:
+            try:
+                return HFPromptTokenizer(AutoTokenizer.from_pretrained(source))
+            except (OSError, ValueError):
+                if m.tokenizer is not None or m.init == "pretrained":
+                    raise UserError(f"no tokenizer found in {source!r}", key="model.tokenizer") from None
+        if m.init == "pretrained":
+            raise UserError("a pretrained model needs its tokenizer; set model.tokenizer", key="model.tokenizer")
+        return ByteTokenizer(config, words, self.masked)
+
+    def build(self, run):
+        try:
+            self._build(run)
+        except UserError as e:  # name the recipe file and line of the offending key
+            if e.file is None and e.key:
+                path = e.key.split(".") if e.key.startswith("train.") else ["objective", *e.key.removeprefix(
+                    "objective.").split(".")]
+                w = run.recipe.where(*path)
+                e.file, e.line = run.recipe.source, w.get("line")
+            raise
+
+    def _build(self, run):
+        # The model comes first: missing weights are the first thing a user should hear about.
+        self.lm, config, folder = self._load_model(run)
+        self.model = self.lm
+        self.tok = self._tokenizer(config, folder)
+        d = self.cfg.data
+        cols = [d.text] if isinstance(d.text, str) else list(d.text)
+        if d.path is not None and not Path(d.path).expanduser().is_dir():
+            raise UserError(f"data folder {d.path!r} not found; set data.path (e.g. --set data.path=DIR with "
+                            "train.tsv and test.tsv)", key="data.path")
+        train = load_table(self._file(d.train), text_columns=cols, label_column=d.label, labels=d.labels, fmt=d.format)
+        test = load_table(self._file(d.test), text_columns=cols, label_column=d.label,
+                          labels=train.label_names, fmt=d.format)
+        if d.k_per_class:
+            train = k_shot(train, d.k_per_class, d.seed)
+        if d.max_test:
+            test = type(test)(test.texts[:d.max_test], test.labels[:d.max_test], test.label_names, test.source)
+        words = self.cfg.prompt.label_words
+        if len(words) != len(train.label_names):
+            raise UserError(f"prompt.label_words needs one word per label ({len(train.label_names)}: "
+                            f"{train.label_names})", key="objective.prompt.label_words")
+        self.word_ids = torch.tensor([self.tok.word_id(w) for w in words], device=run.device)
+        if len(set(self.word_ids.tolist())) != len(words):
+            raise UserError("two label words map to the same token", key="objective.prompt.label_words")
+        self.n_train = len(train.labels)
+        self.label_names = train.label_names
+        self.cols = cols
+        self.train_tok = [self._encode(t) for t in train.texts]
+        self.test_tok = [self._encode(t) for t in test.texts]
+        self.y_train = torch.tensor(train.labels, device=run.device, dtype=torch.long)
+        self.y_test = torch.tensor(test.labels, device=run.device, dtype=torch.long)
+
+    def _file(self, name):
+        p = Path(name).expanduser()
+        d = self.cfg.data
+        return Path(d.path).expanduser() / p if d.path is not None and not p.is_absolute() else p
+
+    # -- prompts ----------------------------------------------------------------------------
+
+    def _prompt(self, fields: tuple[str, ...]) -> str:
+        template = self.cfg.prompt.template or self.default_template
+        values = {c: f.strip() for c, f in zip(self.cols, fields)}
+        try:
+            return template.replace(MASK, "\x00MASK\x00").format(**values).replace(
+                "\x00MASK\x00", self.tok.mask_text or "")
+        except KeyError as e:
+            raise UserError(f"prompt.template names {e} but the data columns are {self.cols}",
+                            key="objective.prompt.template") from None
+
+    def _encode(self, fields) -> tuple[list[int], int]:
+        """(token ids, the position whose logits predict the label word)."""
+        ids = self.tok.encode(self._prompt(fields))
+        L = self.cfg.model.max_length
+        if len(ids) > L:  # keep the first (special) token and the end, where the template's anchor is
+            ids = ids[:1] + ids[len(ids) - (L - 1):]
+        return ids, self._position(ids)
+
+    def _position(self, ids: list[int]) -> int:
+        raise NotImplementedError
+
+    # -- losses -------------------------------------------------------------------------------
+
+    def _pad(self, items):
+        L = max(len(ids) for ids, _ in items)
+        ids = torch.full((len(items), L), self.tok.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(items), L), dtype=torch.long)
+        for i, (s, _) in enumerate(items):
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+        pos = torch.tensor([p for _, p in items])
+        return ids.to(self.device), mask.to(self.device), pos.to(self.device)
+
+    def _head(self):
+        return self.lm.get_output_embeddings()
+
+    def label_logits(self, items) -> torch.Tensor:
+        """[B, K] logits of the K label words at each example's read-out position (fp32)."""
+        ids, mask, pos = self._pad(items)
+        h = self.lm.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        h = h[torch.arange(h.shape[0], device=h.device), pos]
+        return self._head()(h)[:, self.word_ids].float()
+
+    def batch_losses(self, indices):
+        items = [self.train_tok[i] for i in indices.tolist()]
+        return F.cross_entropy(self.label_logits(items), self.y_train[indices], reduction="none")
+
+    @torch.no_grad()
+    def evaluate(self, batch_size: int = 32):
+        order = sorted(range(len(self.test_tok)), key=lambda i: len(self.test_tok[i][0]))
+        correct, loss = 0, 0.0
+        for s in range(0, len(order), batch_size):
+            idx = order[s:s + batch_size]
+            logits = self.label_logits([self.test_tok[i] for i in idx])
+            y = self.y_test[idx]
+            correct += int((logits.argmax(-1) == y).sum())
+            loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        n = max(len(order), 1)
+        return {"accuracy": correct / n, "loss": loss / n}
+
+
+class CausalLMPrompt(PromptLM):
+    """Causal LM (OPT) prompt classification: cross-entropy over label-word logits after the template."""
+
+    name = "causal_lm_prompt"
+    masked = False
+    default_template = "{sentence} It was"
+
+    def _position(self, ids):
+        return len(ids) - 1
+
+
+class MaskedLMPrompt(PromptLM):
+    """Masked LM (RoBERTa) prompt classification: cross-entropy over label-word logits at the mask."""
+
+    name = "masked_lm_prompt"
+    masked = True
+    default_template = "{sentence} It was {mask} ."
+
+    def _head(self):
+        head = getattr(self.lm, "lm_head", None) or getattr(self.lm, "cls", None)
+        if head is None:
+            raise UserError(f"{type(self.lm).__name__} has no masked-LM head (lm_head or cls)", key="model.path")
+        return head
+
+    def _position(self, ids):
+        if self.tok.mask_id is None or ids.count(self.tok.mask_id) != 1:
+            raise UserError("a masked-LM prompt needs exactly one {mask} (after truncation to model.max_length); "
+                            "check prompt.template or raise model.max_length", key="objective.prompt.template")
+        return ids.index(self.tok.mask_id)
+
+
+OBJECTIVES = (CausalLMPrompt, MaskedLMPrompt)

@@ -1,0 +1,200 @@
+"""Language-model objectives (OPT causal, RoBERTa masked, MiniLM with a label-description head),
+trainable subsets and dtypes, and the DPZero recipes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from conftest import RECIPES, make_run
+
+SENTENCES = [("a gripping , beautifully made film", 1), ("dull", 0), ("it never finds its footing and the "
+             "jokes fall flat again and again", 0), ("wonderful", 1), ("an utterly charming and moving story of "
+             "friendship", 1), ("bad", 0), ("the plot is thin", 0), ("one of the year 's best", 1)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Folders with tiny OPT and RoBERTa configs (random weights) and a small SST-2-like table."""
+    from transformers import OPTConfig, RobertaConfig
+
+    root = tmp_path_factory.mktemp("tiny")
+    OPTConfig(vocab_size=300, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=256, word_embed_proj_dim=32, pad_token_id=1, bos_token_id=2,
+              eos_token_id=2).save_pretrained(root / "opt")
+    RobertaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=258, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
+                  eos_token_id=2).save_pretrained(root / "roberta")
+    data = root / "data"
+    data.mkdir()
+    rows = "sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in SENTENCES)
+    (data / "train.tsv").write_text(rows)
+    (data / "test.tsv").write_text(rows)
+    return root
+
+
+def lm_recipe(tiny, kind="causal_lm_prompt", **model):
+    folder = "opt" if kind == "causal_lm_prompt" else "roberta"
+    return {"algorithm": "dpzero",
+            "objective": {"name": kind, "model": {"path": str(tiny / folder), "init": "random", "tokenizer": "byte",
+                                                   "max_length": 64, **model},
+                          "data": {"path": str(tiny / "data")}},
+            "sampler": {"name": "shuffle", "batch_size": 4},
+            "privatizer": {"clip": 1.0, "noise_multiplier": 1.0},
+            "update": {"lr": 1e-3}, "train": {"steps": 2, "log_every": 1000}}
+
+
+@pytest.mark.parametrize("kind", ["causal_lm_prompt", "masked_lm_prompt"])
+def test_prompt_losses_are_per_example_label_word_cross_entropy(tiny, tmp_path, kind):
+    run = make_run(lm_recipe(tiny, kind), tmp_path)
+    obj = run.objective
+    idx = torch.arange(len(SENTENCES))
+    with torch.no_grad():
+        batched = obj.losses(idx)
+        assert batched.shape == (len(SENTENCES),) and torch.isfinite(batched).all()
+        for i in range(len(SENTENCES)):
+            ids, pos = obj.train_tok[i]
+            # independently: the full model's vocabulary logits of the example alone, unpadded
+            logits = obj.lm(input_ids=torch.tensor([ids])).logits[0, pos]
+            label_logits = logits[obj.word_ids]
+            ref = F.cross_entropy(label_logits[None].float(), obj.y_train[i:i + 1])
+            assert float(batched[i]) == pytest.approx(float(ref), rel=1e-5, abs=1e-6)
+        # padding never changes another example's loss: pair each example with the longest one
+        longest = max(range(len(SENTENCES)), key=lambda i: len(obj.train_tok[i][0]))
+        for i in range(len(SENTENCES)):
+            pair = obj.losses(torch.tensor([i, longest]))
+            assert float(pair[0]) == pytest.approx(float(batched[i]), rel=1e-5, abs=1e-6)
+    if kind == "masked_lm_prompt":
+        ids, pos = obj.train_tok[0]
+        assert ids[pos] == obj.tok.mask_id and ids.count(obj.tok.mask_id) == 1
+
+
+def test_lora_trains_only_the_adapters(tiny, tmp_path):
+    run = make_run(lm_recipe(tiny, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}), tmp_path)
+    names = list(run.params)
+    assert names and all("lora_" in n for n in names)
+    frozen = {n: p.detach().clone() for n, p in run.objective.lm.named_parameters() if n not in run.params}
+    before = {n: p.detach().clone() for n, p in run.params.items()}
+    run.train()
+    assert any(not torch.equal(before[n], p) for n, p in run.params.items())
+    for n, p in run.objective.lm.named_parameters():
+        if n in frozen:
+            assert torch.equal(frozen[n], p), n    # the base weights are bit-for-bit untouched
+
+
+def test_name_filters_select_the_trainable_subset(tiny, tmp_path):
+    r = lm_recipe(tiny)
+    r["objective"]["trainable"] = {"include": [r"layers\.1\."], "exclude": ["layer_norm"]}
+    run = make_run(r, tmp_path)
+    assert run.params and all(".layers.1." in n and "layer_norm" not in n for n in run.params)
+    other = {n: p.detach().clone() for n, p in run.objective.lm.named_parameters() if n not in run.params}
+    run.train()
+    assert all(torch.equal(other[n], p) for n, p in run.objective.lm.named_parameters() if n in other)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_parameters(tiny, tmp_path, dtype):
+    run = make_run(lm_recipe(tiny, dtype=dtype), tmp_path)
+    want = getattr(torch, dtype)
+    before = {n: p.detach().clone() for n, p in run.params.items()}
+    run.train()
+    assert all(p.dtype == want for p in run.params.values())
+    assert all(torch.isfinite(p).all() for p in run.params.values())
+    assert any(not torch.equal(before[n], p) for n, p in run.params.items())
+    assert math.isfinite(run.history[-1]["loss"])
+
+
+def test_minilm_recipe_starts_zero_shot_and_runs(sst2_dir, tmp_path):
+    """The packaged MiniLM with a head from "It was terrible." / "It was great." is a zero-shot
+    SST-2 classifier (71.2 % on all 872 test sentences, 68.7 % on the first 300 used here to keep
+    the run short); the recipe trains from there with DPZero."""
+    run = make_run(RECIPES / "minilm_sst2_dpzero.yaml", sets=[f"data.path={sst2_dir}", "data.k_per_class=32",
+                                                               "data.max_test=300", "train.steps=2",
+                                                               "sampler.batch_size=8"])
+    acc = run.objective.evaluate()["accuracy"]
+    assert 0.66 <= acc <= 0.72
+    obj = run.objective
+    with torch.no_grad():
+        lengths = [len(t) for t in obj.train_tok]
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        alone = obj.losses(torch.tensor([0]))
+        padded = obj.losses(torch.tensor([0, longest]))
+    assert float(padded[0]) == pytest.approx(float(alone[0]), rel=1e-5, abs=1e-6)
+    before = {n: p.detach().clone() for n, p in run.params.items()}
+    run.train()
+    assert run.step == 2 and any(not torch.equal(before[n], p) for n, p in run.params.items())
+    assert run.epsilon() <= 6.0
+
+
+# ------------------------------------------------------------------------------------------
+# recipes
+# ------------------------------------------------------------------------------------------
+
+
+def cli(*args):
+    from dpregistry.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def test_opt67b_recipe_fails_cleanly_without_weights(sst2_dir):
+    res = cli("validate", str(RECIPES / "opt6.7b_dpzero.yaml"), "--set", f"data.path={sst2_dir}")
+    assert res.exit_code == 2
+    msg = " ".join(res.output.split())
+    assert "facebook/opt-6.7b" in msg and "huggingface-cli download" in msg and "model.path" in msg
+    assert "model.init=random" in msg
+
+
+def test_opt67b_random_init_builds_the_same_architecture(sst2_dir, tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from dpreg_dpzero.objectives import resolve_config
+    from dpregistry.recipe import load
+
+    sets = ["model.init=random", "train.steps=20", f"data.path={sst2_dir}"]
+    r = load(RECIPES / "opt6.7b_dpzero.yaml", sets)
+    model = r.data["objective"]["model"]
+    assert (model["path"], model["init"], model["dtype"]) == ("facebook/opt-6.7b", "random", "float16")
+    config, folder = resolve_config(model["path"], model["init"])
+    assert folder is None   # from the configuration shipped with the plugin: no download
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    assert type(lm).__name__ == "OPTForCausalLM"
+    assert sum(p.numel() for p in lm.parameters()) == 6_658_473_984
+    assert (config.hidden_size, config.num_hidden_layers, config.ffn_dim) == (4096, 32, 16384)
+    # on a machine without CUDA the run stops with a clear message, not a traceback
+    res = cli("validate", str(RECIPES / "opt6.7b_dpzero.yaml"), *sum((["--set", s] for s in sets), []))
+    if not torch.cuda.is_available():
+        assert res.exit_code == 2 and "'cuda' is not available" in res.output
+    # the same recipe runs end to end on CPU with a small OPT of the same family
+    run = make_run(RECIPES / "opt6.7b_dpzero.yaml",
+                   sets=sets[:2] + [f"model.path={tiny / 'opt'}", "train.device=cpu", "train.steps=2",
+                                    f"data.path={tiny / 'data'}", "data.k_per_class=4", "sampler.batch_size=4"])
+    run.train()
+    assert run.step == 2 and all(p.dtype == torch.float16 for p in run.params.values())
+
+
+def test_roberta_recipe_fails_cleanly_and_has_the_paper_architecture(sst2_dir):
+    from transformers import AutoModelForMaskedLM
+
+    from dpreg_dpzero.objectives import resolve_config
+
+    res = cli("validate", str(RECIPES / "roberta-large_sst2_dpzero.yaml"), "--set", f"data.path={sst2_dir}")
+    assert res.exit_code == 2 and "roberta-large" in res.output and "huggingface-cli" in " ".join(res.output.split())
+    config, _ = resolve_config("FacebookAI/roberta-large", "random")
+    with torch.device("meta"):
+        lm = AutoModelForMaskedLM.from_config(config)
+    assert 354e6 < sum(p.numel() for p in lm.parameters()) < 356e6    # "RoBERTa (355M)"
+
+
+@pytest.mark.parametrize("name", ["quadratic_dpzero", "quadratic_dpgd0th"])
+def test_quadratic_recipes_run_and_improve(name, tmp_path):
+    run = make_run(RECIPES / f"{name}.yaml", sets=["train.steps=120", "objective.n=2000"])
+    g0 = run.objective.evaluate()["test_grad_norm"]
+    run.train()
+    assert run.accountant.name == "kov_advanced_composition" and run.epsilon() <= 2.0 * (1 + 1e-9)
+    assert run.objective.evaluate()["test_grad_norm"] < 0.6 * g0
