@@ -13,10 +13,11 @@ from .stages import (Algorithm, Charge, ClippedSum, Estimator, Objective, Privat
 from .privacy.accountant import Accountant, Budget  # noqa: E402
 from .privacy import events  # noqa: E402
 from . import spaces  # noqa: E402
+from .registry import StagePlugin  # noqa: E402
 
 __all__ = [
     "__version__", "hookimpl", "UserError", "BudgetExhausted",
     "Stage", "StageParams", "Objective", "Sampler", "Estimator", "Privatizer", "UpdateRule",
     "Accountant", "Algorithm", "Budget", "Charge", "ClippedSum", "Release", "StepResult",
-    "events", "spaces",
+    "events", "spaces", "StagePlugin",
 ]

@@ -24,9 +24,9 @@ import torch
 from . import __version__
 from . import checkpoint as ckpt
 from .directions import Direction
-from .errors import BudgetExhausted, RunStopped, UserError
+from .errors import BudgetExhausted, UserError
 from .privacy.accountant import Budget
-from .recipe import SECTIONS, Recipe, recipe_hash, resolve
+from .recipe import SECTIONS, Recipe, resolve
 from .registry import get_registry
 from .rng import RunRNG
 from .stages import Charge, ClippedSum, Release

@@ -30,7 +30,3 @@ class UserError(Exception):
 
 class BudgetExhausted(Exception):
     """The accountant refused a charge: the run stops cleanly before the release is used."""
-
-
-class RunStopped(Exception):
-    """The run stopped for a reason that is not an error (a signal, a fault limit)."""

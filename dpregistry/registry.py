@@ -102,6 +102,51 @@ class Registry:
         return [e for kind in KINDS for e in sorted(self.entries[kind].values(), key=lambda e: e.name)]
 
 
+class StagePlugin:
+    """A plugin object that registers stage classes under their kinds; all most plugins need.
+
+    In your package: ``plugin = StagePlugin(MyPrivatizer, MyAlgorithm)``, and in pyproject.toml
+    ``[project.entry-points.dpregistry] mine = "my_package:plugin"``. Each class is registered by
+    the hook of the kind it subclasses.
+    """
+
+    def __init__(self, *classes: type):
+        self.classes = classes
+
+    def _register(self, kind: str, register) -> None:
+        for cls in self.classes:
+            if issubclass(cls, KINDS[kind][1]):
+                register(cls)
+
+    @hookspecs.hookimpl
+    def dpreg_register_objectives(self, register):
+        self._register("objective", register)
+
+    @hookspecs.hookimpl
+    def dpreg_register_samplers(self, register):
+        self._register("sampler", register)
+
+    @hookspecs.hookimpl
+    def dpreg_register_estimators(self, register):
+        self._register("estimator", register)
+
+    @hookspecs.hookimpl
+    def dpreg_register_privatizers(self, register):
+        self._register("privatizer", register)
+
+    @hookspecs.hookimpl
+    def dpreg_register_update_rules(self, register):
+        self._register("update_rule", register)
+
+    @hookspecs.hookimpl
+    def dpreg_register_accountants(self, register):
+        self._register("accountant", register)
+
+    @hookspecs.hookimpl
+    def dpreg_register_algorithms(self, register):
+        self._register("algorithm", register)
+
+
 _registry: Registry | None = None
 
 
@@ -118,4 +163,4 @@ def reset_registry() -> None:
     _registry = None
 
 
-__all__ = ["Registry", "Entry", "get_registry", "reset_registry", "KINDS", "PluginConflict", "Stage"]
+__all__ = ["Registry", "Entry", "StagePlugin", "get_registry", "reset_registry", "KINDS", "PluginConflict", "Stage"]

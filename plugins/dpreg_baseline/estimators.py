@@ -9,8 +9,8 @@ from pydantic import Field
 
 from dpregistry import Estimator, StageParams, UserError
 from dpregistry.directions import Direction
-from dpregistry.engine import Displacement
 from dpregistry.persample import GradSampler
+from dpregistry.zeroth_order import central_differences
 from dpregistry.spaces import DENSE, SEEDED_DIRECTION, DenseContribution, DirectionContribution, acc_dtype
 
 
@@ -100,22 +100,13 @@ class ZOTwoPoint(Estimator):
 
     def contributions(self, objective, indices, run):
         names = tuple(run.params)
-        tensors = list(run.params.values())
         u = Direction(run.rng.step_seed("direction", run.step), self.cfg.direction)
         lam = self.cfg.smoothing
         if len(indices) == 0:
             yield DirectionContribution(values=torch.zeros(0), direction=u, names=names, losses=torch.zeros(0))
             return
-        with torch.no_grad():
-            u.add_(tensors, lam)
-            run.displacement = Displacement(u, names, lam)
-            plus = objective.losses(indices)
-            u.add_(tensors, -2 * lam)
-            run.displacement = Displacement(u, names, -lam)
-            minus = objective.losses(indices)
-        dt = acc_dtype(plus.dtype)
-        values = (plus.to(dt) - minus.to(dt)) / (2 * lam)
-        yield DirectionContribution(values=values, direction=u, names=names, losses=(plus.to(dt) + minus.to(dt)) / 2)
+        values, mid = central_differences(objective, indices, run, u, lam)
+        yield DirectionContribution(values=values, direction=u, names=names, losses=mid)
 
 
 ESTIMATORS = (PerExampleGrad, ZOTwoPoint)

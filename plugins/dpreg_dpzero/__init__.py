@@ -10,32 +10,11 @@
 * :mod:`dpreg_dpzero.synthetic`: a vectorised simulator of the §5.1 quadratic experiment.
 """
 
-from dpregistry import hookimpl
+from dpregistry import StagePlugin
 
 from .accountant import KovAdvancedComposition
 from .algorithms import ALGORITHMS
 from .estimators import ESTIMATORS
 from .objectives import OBJECTIVES
 
-
-@hookimpl
-def dpreg_register_algorithms(register):
-    for cls in ALGORITHMS:
-        register(cls)
-
-
-@hookimpl
-def dpreg_register_estimators(register):
-    for cls in ESTIMATORS:
-        register(cls)
-
-
-@hookimpl
-def dpreg_register_accountants(register):
-    register(KovAdvancedComposition)
-
-
-@hookimpl
-def dpreg_register_objectives(register):
-    for cls in OBJECTIVES:
-        register(cls)
+plugin = StagePlugin(*OBJECTIVES, *ESTIMATORS, KovAdvancedComposition, *ALGORITHMS)

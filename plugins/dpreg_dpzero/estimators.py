@@ -17,8 +17,8 @@ from pydantic import Field
 
 from dpregistry import Estimator, StageParams
 from dpregistry.directions import Direction
-from dpregistry.engine import Displacement
-from dpregistry.spaces import VECTOR_ZO, VectorZOContribution, acc_dtype
+from dpregistry.spaces import VECTOR_ZO, VectorZOContribution
+from dpregistry.zeroth_order import central_differences
 
 
 class ZOVectorParams(StageParams):
@@ -46,8 +46,6 @@ class ZOTwoPointVector(Estimator):
     Params = ZOVectorParams
 
     def contributions(self, objective, indices, run):
-        names = tuple(run.params)
-        tensors = list(run.params.values())
         m, lam = self.cfg.directions, self.cfg.smoothing
         dirs = tuple(direction_for(run, j, self.cfg.direction) for j in range(m))
         if len(indices) == 0:
@@ -55,21 +53,14 @@ class ZOTwoPointVector(Estimator):
                                        losses=torch.zeros(0))
             return
         cols, mids = [], []
-        with torch.no_grad():
-            for j, u in enumerate(dirs):
-                if j:  # restore x from the previous direction's x − λu
-                    run.undo_displacement()
-                u.add_(tensors, lam)
-                run.displacement = Displacement(u, names, lam)
-                plus = objective.losses(indices)
-                u.add_(tensors, -2 * lam)
-                run.displacement = Displacement(u, names, -lam)
-                minus = objective.losses(indices)
-                dt = acc_dtype(plus.dtype)
-                cols.append((plus.to(dt) - minus.to(dt)) / (2 * lam * m))
-                mids.append((plus.to(dt) + minus.to(dt)) / 2)
+        for j, u in enumerate(dirs):
+            if j:  # restore x from the previous direction's x − λu
+                run.undo_displacement()
+            diff, mid = central_differences(objective, indices, run, u, lam)
+            cols.append(diff / m)
+            mids.append(mid)
         values = torch.stack(cols, 1)
-        yield VectorZOContribution(values=values, directions=dirs, params=dict(zip(names, tensors)),
+        yield VectorZOContribution(values=values, directions=dirs, params=dict(run.params),
                                    losses=torch.stack(mids, 1).mean(1))
 
 

@@ -6,7 +6,7 @@ gradients; SPIDER's anchor and differences), per-call Gaussian privatizers, and 
 of Alg. 1 (normalised steps) and Alg. 4 (projected GD with a weighted average).
 """
 
-from dpregistry import hookimpl
+from dpregistry import StagePlugin
 
 from .algorithms import ALGORITHMS
 from .estimators import ESTIMATORS
@@ -14,32 +14,4 @@ from .objectives import OBJECTIVES
 from .privatizers import PRIVATIZERS
 from .updates import UPDATE_RULES
 
-
-@hookimpl
-def dpreg_register_objectives(register):
-    for cls in OBJECTIVES:
-        register(cls)
-
-
-@hookimpl
-def dpreg_register_estimators(register):
-    for cls in ESTIMATORS:
-        register(cls)
-
-
-@hookimpl
-def dpreg_register_privatizers(register):
-    for cls in PRIVATIZERS:
-        register(cls)
-
-
-@hookimpl
-def dpreg_register_update_rules(register):
-    for cls in UPDATE_RULES:
-        register(cls)
-
-
-@hookimpl
-def dpreg_register_algorithms(register):
-    for cls in ALGORITHMS:
-        register(cls)
+plugin = StagePlugin(*OBJECTIVES, *ESTIMATORS, *PRIVATIZERS, *UPDATE_RULES, *ALGORITHMS)

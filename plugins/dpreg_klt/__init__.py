@@ -5,12 +5,8 @@ Algorithms ``klt_sp_zo`` (Alg. 2 + 3, Thm 3.1), ``klt_mp_zo_erm`` (Alg. 2 + 4, T
 theorems' parameter settings are in ``.theory``.
 """
 
-from dpregistry import hookimpl
+from dpregistry import StagePlugin
 
 from .algorithms import ALGORITHMS
 
-
-@hookimpl
-def dpreg_register_algorithms(register):
-    for cls in ALGORITHMS:
-        register(cls)
+plugin = StagePlugin(*ALGORITHMS)

@@ -12,7 +12,7 @@
 The algorithms (presets) live in the two paper plugins, ``dpreg_ztc`` and ``dpreg_klt``.
 """
 
-from dpregistry import hookimpl
+from dpregistry import StagePlugin
 
 from .accounting import ACCOUNTANTS, ConcentrationFailure  # importing registers the event type
 from .estimators import ESTIMATORS
@@ -21,40 +21,6 @@ from .privatizers import PRIVATIZERS
 from .samplers import SAMPLERS
 from .update import UPDATE_RULES
 
-__all__ = ["ConcentrationFailure"]
+__all__ = ["ConcentrationFailure", "plugin"]
 
-
-@hookimpl
-def dpreg_register_objectives(register):
-    for cls in OBJECTIVES:
-        register(cls)
-
-
-@hookimpl
-def dpreg_register_samplers(register):
-    for cls in SAMPLERS:
-        register(cls)
-
-
-@hookimpl
-def dpreg_register_estimators(register):
-    for cls in ESTIMATORS:
-        register(cls)
-
-
-@hookimpl
-def dpreg_register_privatizers(register):
-    for cls in PRIVATIZERS:
-        register(cls)
-
-
-@hookimpl
-def dpreg_register_update_rules(register):
-    for cls in UPDATE_RULES:
-        register(cls)
-
-
-@hookimpl
-def dpreg_register_accountants(register):
-    for cls in ACCOUNTANTS:
-        register(cls)
+plugin = StagePlugin(*OBJECTIVES, *SAMPLERS, *ESTIMATORS, *PRIVATIZERS, *UPDATE_RULES, *ACCOUNTANTS)

@@ -4,12 +4,8 @@ Algorithms ``ztc_o2nc_tree`` (Theorem 4.9) and ``ztc_naive`` (App. E), built on 
 stages of ``dpreg_nonsmooth``; closed forms (T rule, σ calibration, ρ_eff report) in ``.theory``.
 """
 
-from dpregistry import hookimpl
+from dpregistry import StagePlugin
 
 from .algorithms import ALGORITHMS
 
-
-@hookimpl
-def dpreg_register_algorithms(register):
-    for cls in ALGORITHMS:
-        register(cls)
+plugin = StagePlugin(*ALGORITHMS)

@@ -1,0 +1,31 @@
+"""The two-point evaluation that every seeded-direction estimator shares."""
+
+from __future__ import annotations
+
+import torch
+
+from .directions import Direction
+from .engine import Displacement
+from .spaces import acc_dtype
+
+
+@torch.no_grad()
+def central_differences(objective, indices: torch.Tensor, run, u: Direction, lam: float):
+    """Per-example (f(x+λu) − f(x−λu))/2λ and (f(x+λu) + f(x−λu))/2, in at least fp32.
+
+    Perturbs ``run.params`` in place (no copy, u regenerated from its seed chunk by chunk) and leaves
+    them at x − λu, registered as ``run.displacement``: the update rule restores x in the same sweep
+    as its update, or the engine does if the step stops early. The displacement is registered
+    before each forward pass, so a failure in either one is undone too.
+    """
+    names = tuple(run.params)
+    tensors = list(run.params.values())
+    u.add_(tensors, lam)
+    run.displacement = Displacement(u, names, lam)
+    plus = objective.losses(indices)
+    u.add_(tensors, -2 * lam)
+    run.displacement = Displacement(u, names, -lam)
+    minus = objective.losses(indices)
+    dt = acc_dtype(plus.dtype)
+    plus, minus = plus.to(dt), minus.to(dt)
+    return (plus - minus) / (2 * lam), (plus + minus) / 2
