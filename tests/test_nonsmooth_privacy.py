@@ -243,3 +243,27 @@ def test_multi_pass_first_order_preset_composes_every_step(tmp_path):
     entries = run.accountant.ledger.entries
     assert sum(e["count"] for e in entries) == 8 and all(e["partition"] is None for e in entries)
     assert run.accountant.epsilon() <= 3.0
+
+
+@pytest.mark.parametrize("algorithm", [{"name": "ztc_o2nc_tree", "episode_len": 8}, {"name": "klt_sp_zo", "vr_period": 8}])
+def test_per_step_gaussian_is_noised_for_the_batch_it_releases(tmp_path, algorithm):
+    """A fresh-gradient oracle (zo_sphere_grad) with the per-step Gaussian under a driver whose
+    schedule has B1 > B2: each step releases a mean over its own batch, of replace-one sensitivity
+    2dL/B at that B (ZTC Lemma 3.1), so the noise must cover the smallest batch, and the period's
+    charge the largest sensitivity (one record, one step: parallel composition inside the period)."""
+    d, L, rho = 3, 1.0, 0.5
+    rec = recipe(algorithm, {"name": "l1_distance", "dim": d, "n": 2000},
+                 estimator={"name": "zo_sphere_grad", "smooth_radius": 0.1, "lipschitz": L, "dirs_per_sample": 1},
+                 privatizer={"name": "bounded_gaussian"}, accountant="zcdp",
+                 privacy={"rho": rho, "delta": 1e-6}, train={"steps": 32, "log_every": 10**6})
+    run = make_run(rec, tmp_path)
+    s = run.algorithm.settings
+    assert s.batch_first > s.batch_rest == 1  # the schedule this test is about
+    rows = []
+    run.train(progress=lambda r, m: rows.append((m["batch_size"], m["noise_std"])))
+    assert {b for b, _ in rows} == {s.batch_first, s.batch_rest}
+    worst = max((2 * d * L / b) ** 2 / (2 * std ** 2) for b, std in rows)  # ρ of the worst step's record
+    assert worst <= rho * (1 + 1e-9)
+    charged = [e["event"]["sensitivity"] for e in run.accountant.ledger.entries]
+    assert charged and all(c == pytest.approx(2 * d * L / s.batch_rest) for c in charged)
+    assert run.accountant.rho() <= rho * (1 + 1e-12)

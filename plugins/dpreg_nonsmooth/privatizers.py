@@ -310,22 +310,29 @@ class BoundedGaussian(BoundedPrivatizer):
     name = "bounded_gaussian"
     accepts_kinds = frozenset({GRADIENT})
 
+    def step_sensitivity(self, run) -> float:
+        """2R/B at the smallest batch of the schedule: every step releases a fresh mean, and under a
+        driver with B1 > B2 (ZTC's tree schedule, KLT's) the steps at p > 1 average only B2 records."""
+        s = self.settings
+        return self.sensitivities(run)["fresh"] * s.batch_first / min(s.batch_first, s.batch_rest)
+
     def stream_events(self, noise_multiplier, run, p):
         # Single pass: the steps of a period read disjoint batches, so a record meets one of them and
         # the period costs one release (adaptive parallel composition, ZTC Lemma C.1); charged at p = 1.
         if self.settings.single_pass and p != 1:
             return []
         s = self.sensitivities(run)
-        events = [Gaussian(std=noise_multiplier * s["fresh"], sensitivity=s["fresh"])]
+        sens = self.step_sensitivity(run)
+        events = [Gaussian(std=noise_multiplier * sens, sensitivity=sens)]
         if s["gamma_fresh"] > 0:
             events.append(ConcentrationFailure(s["gamma_fresh"]))
         return events
 
     def noise_second_moment(self, run):
-        return self.view.dim * ((self.noise_multiplier or 0.0) * self.sensitivities(run)["fresh"]) ** 2
+        return self.view.dim * ((self.noise_multiplier or 0.0) * self.step_sensitivity(run)) ** 2
 
     def release(self, total, run, *, std=None):
-        sens = self.sensitivities(run)["fresh"]
+        sens = self.step_sensitivity(run)
         z = self.noise_multiplier if std is None else std / sens
         std = z * sens
         g = self._mean(total, run)
