@@ -205,3 +205,21 @@ def test_mixed_zeroth_order_recipe(tmp_path):
             assert m["sigma"] == c.sigma_t(m["noisy_norm"], 1)
     assert run.accountant.rho() <= 1.0 * (1 + 1e-12)
     assert float(run.params["w"].abs().max()) > 0 and run.objective.excess_risk() < f_start
+
+
+@pytest.mark.parametrize("steps", [1, 5])
+def test_exponential_selection_also_ends_a_run_capped_by_train_steps(tmp_path, steps):
+    """3-SP's output is the exponential mechanism's pick whatever ends the descent: when train.steps
+    runs out before the filter does, the last step allowed is the selection (charged once), not a
+    descent step that leaves the last iterate as the output."""
+    run = make_run(agd_recipe(algorithm={"name": "adaptive_noisy_gd", "select": "exponential"},
+                              train={"steps": steps, "log_every": 10**6}), tmp_path)
+    assert run.algorithm.consts.max_steps + 1 > steps  # train.steps, not the filter, ends this run
+    rows, summary = traced(run)
+    assert summary["step"] == steps and run.algorithm.phase == "done"
+    assert rows[-1]["candidates"] == len(run.algorithm.trajectory) == steps  # w_0 .. w_(steps−1)
+    chosen = int(rows[-1]["selected_iterate"])
+    assert torch.equal(run.params["w"], run.algorithm.trajectory[chosen]["w"])
+    sel = [e for e in ledger_events(run) if isinstance(e, Exponential)]
+    assert len(sel) == 1 and sel[0].zcdp_rho() == pytest.approx(1 / 3, rel=1e-12)
+    assert run.accountant.rho() <= 1.0 * (1 + 1e-12)

@@ -433,11 +433,13 @@ class AdaptiveNoisyGD(Algorithm):
         return clamped
 
     def step(self, run):
-        if self.phase == "select":
+        selecting = self.cfg.select == "exponential"
+        if selecting and not self.trajectory:
+            self.trajectory.append({k: v.detach().clone() for k, v in run.params.items()})
+        # the last step train.steps allows is the selection, so 3-SP's output never falls back to w_T
+        if self.phase == "select" or (selecting and run.step + 1 >= self.total_steps(run)):
             return self._select(run)
         c, priv, n = self.consts, run.privatizer, run.n_train
-        if self.cfg.select == "exponential" and not self.trajectory:
-            self.trajectory.append({k: v.detach().clone() for k, v in run.params.items()})
         total = run.privatize_batch(self.idx)
         dim = total.aggregate.numel
         # the scalar norm query: |‖S‖ − ‖S′‖| ≤ ‖S − S′‖, so it has the clipped sum's sensitivity
