@@ -212,3 +212,34 @@ def test_klt_high_probability_bound_holds_at_the_promised_rate(tmp_path):
     _, c = per_example(clip, x, torch.arange(2000))
     total = clip.privatizer.clip_sum(c)
     assert c.info["enforce"] and total.count == 2000
+
+
+@pytest.mark.parametrize("estimator", [{"name": "zo_sphere", "dirs_per_sample": 200},
+                                       {"name": "fo_ball", "dirs_per_sample": 200}])
+def test_high_probability_bounds_draw_their_directions_from_secret_randomness(tmp_path, monkeypatch, estimator):
+    """Spec 002 §2.2/§2.5: KLT's high-probability sensitivity fails with probability γ over the
+    mechanism's own directions, and δ_fail charges exactly that. Directions that are a function of the
+    public seed (a recipe's `seed: 0`) are no randomness to whoever chooses the data: a record can be
+    built against them, and the bound fails for sure. So in paper mode with γ > 0 the directions come
+    from the secret noise key, while worst-case bounds (γ = 0, or privacy_mode: clip, which enforces
+    them) keep public directions that replicas and replays regenerate from the seed."""
+    d, x = 3, torch.full((3,), 0.3, dtype=torch.float64)
+
+    def estimates(key, step, **over):
+        monkeypatch.setenv("DPREG_NOISE_KEY", key)
+        run = host(tmp_path, dim=d, objective={"name": "ring", "dim": d, "n": 400, "noise": "linear"},
+                   algorithm={"name": "klt_sp_zo", "vr_period": 4},
+                   estimator={**estimator, "smooth_radius": 0.2, "lipschitz": 1.1, **over})
+        prev = None if step == 0 else x - 0.01
+        est, c = per_example(run, x, torch.arange(8), prev=prev, step=step)
+        return est, c.info["gamma"]
+
+    for step in (0, 1):  # the fresh estimate and the variance-reduced increment
+        a, gamma = estimates("a", step, delta_fail=0.05)
+        # the high-probability bound is charged, except for fo_ball's fresh step (deterministic L)
+        assert gamma == (0.0 if step == 0 and estimator["name"] == "fo_ball" else 0.05)
+        assert torch.equal(a, estimates("b", step, delta_fail=0.05)[0]) == (gamma == 0)
+        assert torch.equal(a, estimates("a", step, delta_fail=0.05)[0])  # the key reproduces them
+        for worst_case in ({"delta_fail": 0.0}, {"delta_fail": 0.05, "privacy_mode": "clip"}):
+            a, gamma = estimates("a", step, **worst_case)
+            assert gamma == 0.0 and torch.equal(a, estimates("b", step, **worst_case)[0])

@@ -14,8 +14,9 @@ privatizer turns into the sensitivity 2·bound/B (replace-one) and, with ``priva
 enforces by clipping (spec 001 coupling 10, spec 002 §2.6 safety_clip). In ``paper`` mode the
 bound rests on the objective being L-Lipschitz (the objective must declare it) and, for KLT's
 high-probability bounds, on a concentration event whose failure probability is charged.
-Directions come from public per-(step, slot, side) generators, independent of the records
-(coupled randomness, spec 002 §2.2).
+Directions come from per-(step, slot, side) generators, independent of the records (coupled
+randomness, spec 002 §2.2): public ones where the bound holds for every draw, secret ones (from the
+run's noise key) where the privatizer relies on a high-probability bound and charges its δ_fail.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pydantic import Field
 from dpregistry import Estimator, StageParams, UserError
 from dpregistry.spaces import DENSE, GRADIENT, INCREMENT, DenseContribution
 
-from .points import FlatView, PointQuery, ball, sphere, step_generator
+from .points import FlatView, PointQuery, ball, secret_generator, sphere, step_generator
 
 #: elements (slots × directions × d) per batched loss query
 CHUNK_ELEMS = 1 << 21
@@ -133,15 +134,19 @@ class OracleEstimator(Estimator):
         x = self.view.flat(run.params)
         fresh = self.prev is None or self.contribution_kind == GRADIENT
         gap = 0.0
-        if fresh:
-            per, losses = self._fresh(x, indices, run)
-        else:
+        if not fresh:
             gap = float(torch.linalg.vector_norm(x - self.prev))
             if gap > self.max_gap:  # spec 001 coupling 3: the sensitivity rests on it
                 raise RuntimeError(f"‖w_t − w_(t−1)‖ = {gap:.6g} exceeds 2D = {self.max_gap:.6g}")
+        R, gamma = self.public_bound(fresh, gap)
+        # a high-probability bound fails with probability γ over the directions only if nobody who
+        # picks the data knows them: draw them from the secret noise key then (spec 002 §2.2, §2.5)
+        self._secret_dirs = gamma > 0
+        if fresh:
+            per, losses = self._fresh(x, indices, run)
+        else:
             per, losses = self._increment(x, self.prev, indices, run)
         self.prev = x
-        R, gamma = self.public_bound(fresh, gap)
         yield DenseContribution(per_example=self.view.unflatten(per), kind=self.contribution_kind, losses=losses,
                                 info={"bound": R, "gamma": gamma, "fresh": fresh, "gap": gap,
                                       "enforce": self.cfg.privacy_mode == "clip"})
@@ -163,6 +168,8 @@ class OracleEstimator(Estimator):
             yield slice(s, min(n_slots, s + size))
 
     def _generator(self, run, side: int) -> torch.Generator:
+        if getattr(self, "_secret_dirs", False):
+            return secret_generator(run)
         return step_generator(run, self.purpose, run.step, side)
 
     def _dirs(self, g: torch.Generator, sl: slice, m: int, dtype) -> torch.Tensor:
