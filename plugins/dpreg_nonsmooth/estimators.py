@@ -70,6 +70,7 @@ class OracleEstimator(Estimator):
         self.query = PointQuery(run.objective, self.view)
         self.prev: torch.Tensor | None = None
         self.purpose = f"{self.name}.dirs"
+        self._secret_dirs = False  # set per query: does its bound rest on unknown directions?
         self.settings = getattr(run.algorithm, "settings", None)
 
     def validate(self, run):
@@ -168,7 +169,7 @@ class OracleEstimator(Estimator):
             yield slice(s, min(n_slots, s + size))
 
     def _generator(self, run, side: int) -> torch.Generator:
-        if getattr(self, "_secret_dirs", False):
+        if self._secret_dirs:
             return secret_generator(run)
         return step_generator(run, self.purpose, run.step, side)
 
