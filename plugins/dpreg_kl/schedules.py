@@ -148,17 +148,9 @@ class SpiderSchedule:
         return 1.0 if self.kappa == 2.0 else 0.5
 
     @property
-    def anchor_clip(self) -> float:
-        return self.lipschitz
-
-    @property
     def anchor_sensitivity(self) -> float:
         """L2 distance between neighbouring clipped mean gradients (2L0/n under replace-one)."""
         return clipped_sum_sensitivity(self.lipschitz, self.relation) / self.n
-
-    def difference_clip(self, step_length: float) -> float:
-        """Per-sample bound on ∇f(w_new) − ∇f(w) when ‖w_new − w‖ ≤ step_length."""
-        return self.smoothness * step_length
 
     def difference_sensitivity(self, step_length):
         return clipped_sum_sensitivity(1.0, self.relation) * self.smoothness * step_length / self.n

@@ -9,7 +9,6 @@ vectorised call (``losses_at``/``grads_at`` on flat points); any other objective
 from __future__ import annotations
 
 import hashlib
-import math
 
 import torch
 
@@ -154,8 +153,3 @@ class PointQuery:
 
     def _param_dtype(self):
         return next(iter(self.objective.params().values())).dtype
-
-
-def smoothing_grad_lipschitz(lipschitz: float, dim: int, radius: float) -> float:
-    """Lipschitz constant of ∇f_α for L-Lipschitz f: L·√d/α (spec 002 Fact 2.3, [IMPL] constant 1)."""
-    return lipschitz * math.sqrt(dim) / radius

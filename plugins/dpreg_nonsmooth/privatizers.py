@@ -22,7 +22,6 @@ from pydantic import Field
 
 from dpregistry import ClippedSum, Privatizer, Release, StageParams, UserError
 from dpregistry.clipping import clip_weights
-from dpregistry.privacy.conversions import epsilon_to_zcdp
 from dpregistry.privacy.events import Gaussian, TreeAggregation
 from dpregistry.spaces import DENSE, GRADIENT, INCREMENT, DenseAggregate
 
@@ -340,16 +339,6 @@ class BoundedGaussian(BoundedPrivatizer):
             g = g + run.noise().randn(g.shape, dtype=g.dtype, device=g.device).mul_(std)
         _, p = run.algorithm.position(run.step)
         return self._release(g, self.stream_events(z, run, p), std, run)
-
-
-def ztc_rho_to_zcdp(rho: float) -> float:
-    """ZTC's (α, αρ²/2)-RDP is ρ²/2-zCDP (spec 001 §0)."""
-    return rho * rho / 2
-
-
-def epsilon_delta_to_ztc_rho(epsilon: float, delta: float) -> float:
-    """ZTC's ρ for an (ε, δ) target: sqrt(2·ρ_zCDP)."""
-    return math.sqrt(2 * epsilon_to_zcdp(epsilon, delta))
 
 
 PRIVATIZERS = (TreeAggregationPrivatizer, IidPrefix, BoundedGaussian)

@@ -91,9 +91,3 @@ def report(sigmas: list[float], sens: list[float], T: int) -> float:
 def naive_sigma(dim: int, lipschitz: float, batch: int, rho: float, printed: bool = False) -> float:
     """App. E: σ = 2dL/(Bρ) for the replace-one sensitivity 2dL/B ([ERRATUM]: printed dL/(Bρ))."""
     return (1 if printed else 2) * dim * lipschitz / (batch * rho)
-
-
-def grad_bound_sq(dim: int, lipschitz: float, b1: int, b2: int, T: int, sigma: float, count_rule: str = "exact") -> float:
-    """G² = 3(16dL²/B1 + 64dL²/(B2T)) + 3L² + 3·c·d·σ² (spec 001 §3.5), for η = D/(G√T)."""
-    d, L = dim, lipschitz
-    return 3 * (16 * d * L * L / b1 + 64 * d * L * L / (b2 * T)) + 3 * L * L + 3 * node_count(T, count_rule) * d * sigma ** 2
