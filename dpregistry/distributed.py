@@ -59,8 +59,11 @@ class TorchComm:
         n = len(indices)
         m = self.micro_batch or max(1, -(-n // self.world_size))
         self._chunks = [(s, min(s + m, n)) for s in range(0, n, m)]
-        mine = [indices[s:e] for j, (s, e) in enumerate(self._chunks) if j % self.world_size == self.rank]
-        return torch.cat(mine) if mine else indices[:0]
+        mine = [(s, e) for j, (s, e) in enumerate(self._chunks) if j % self.world_size == self.rank]
+        #: where this rank's examples sit in the global batch (for per-slot public randomness)
+        self.batch_size = n
+        self.positions = torch.cat([torch.arange(s, e) for s, e in mine]) if mine else torch.zeros(0, dtype=torch.long)
+        return torch.cat([indices[s:e] for s, e in mine]) if mine else indices[:0]
 
     def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
         """The per-example rows of every rank, back in the global order of the last ``shard``."""

@@ -162,11 +162,20 @@ class OracleEstimator(Estimator):
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _slot_chunks(self, n_slots: int, per_slot: int):
-        """Consecutive slot ranges; their bounds depend only on the batch size, m and d (public)."""
+    def _slot_chunks(self, run, n_local: int, per_slot: int):
+        """(global slot range, this rank's rows in it, their offsets in the range), range by range.
+
+        The ranges cover the whole batch and depend only on its size, m and d (public), and every
+        rank draws the directions of every range: a slot gets the same directions whichever rank
+        evaluates it, so N processes compute what one does (up to the order of the final sum)."""
+        pos = run.comm.positions
+        n = n_local if pos is None else run.comm.batch_size
+        pos = torch.arange(n) if pos is None else pos
         size = max(1, CHUNK_ELEMS // max(per_slot, 1))
-        for s in range(0, n_slots, size):
-            yield slice(s, min(n_slots, s + size))
+        for s in range(0, n, size):
+            sl = slice(s, min(n, s + size))
+            rows = ((pos >= sl.start) & (pos < sl.stop)).nonzero().squeeze(1)
+            yield sl, rows, pos[rows] - sl.start
 
     def _generator(self, run, side: int) -> torch.Generator:
         if self._secret_dirs:
@@ -244,15 +253,17 @@ class ZOSphere(OracleEstimator):
         out = x.new_zeros(B, d)
         loss = x.new_zeros(B)
         g = self._generator(run, side)
-        for sl in self._slot_chunks(B, 2 * m * d):
-            U = self._dirs(g, sl, m, x.dtype)                                    # [b, m, d]
+        for sl, rows, offs in self._slot_chunks(run, B, 2 * m * d):
+            U = self._dirs(g, sl, m, x.dtype)[offs]                              # [b, m, d]
+            if not len(rows):  # drawn all the same: the generator stays in step with other ranks
+                continue
             pts = torch.cat([x + a * U, x - a * U], dim=1)                       # [b, 2m, d]
-            f = self.query.losses(pts.reshape(-1, d), indices[sl].repeat_interleave(2 * m)).view(-1, 2 * m)
+            f = self.query.losses(pts.reshape(-1, d), indices[rows].repeat_interleave(2 * m)).view(-1, 2 * m)
             diff = f[:, :m] - f[:, m:]
             if self.cfg.privacy_mode == "clip":  # spec 001 coupling 10: |f(x+δu) − f(x−δu)| ≤ 2Lδ
                 diff = diff.clamp(-cap, cap)
-            out[sl] = (d / (2 * a)) * (diff.unsqueeze(-1) * U).mean(1)
-            loss[sl] = f.mean(1)
+            out[rows] = (d / (2 * a)) * (diff.unsqueeze(-1) * U).mean(1)
+            loss[rows] = f.mean(1)
         return out, loss
 
     def _fresh(self, x, indices, run):
@@ -268,15 +279,17 @@ class ZOSphere(OracleEstimator):
         out = x.new_zeros(B, d)
         loss = x.new_zeros(B)
         g = self._generator(run, 0)
-        for sl in self._slot_chunks(B, 2 * m * d):
-            U = self._dirs(g, sl, m, x.dtype)
+        for sl, rows, offs in self._slot_chunks(run, B, 2 * m * d):
+            U = self._dirs(g, sl, m, x.dtype)[offs]
+            if not len(rows):
+                continue
             pts = torch.cat([x + a * U, y + a * U], dim=1)  # the SAME u at both points (spec 001 Alg. 2)
-            f = self.query.losses(pts.reshape(-1, d), indices[sl].repeat_interleave(2 * m)).view(-1, 2 * m)
+            f = self.query.losses(pts.reshape(-1, d), indices[rows].repeat_interleave(2 * m)).view(-1, 2 * m)
             diff = f[:, :m] - f[:, m:]
             if self.cfg.privacy_mode == "clip":  # |f(x+δu) − f(y+δu)| ≤ L‖x − y‖
                 diff = diff.clamp(-cap, cap)
-            out[sl] = (d / a) * (diff.unsqueeze(-1) * U).mean(1)
-            loss[sl] = f[:, :m].mean(1)
+            out[rows] = (d / a) * (diff.unsqueeze(-1) * U).mean(1)
+            loss[rows] = f[:, :m].mean(1)
         return out, loss
 
 
@@ -346,12 +359,14 @@ class FOBall(OracleEstimator):
         out = x.new_zeros(B, d)
         loss = x.new_zeros(B)
         g = self._generator(run, side)
-        for sl in self._slot_chunks(B, m * d):
-            Y = ball(g, (sl.stop - sl.start) * m, d, a, x.dtype).view(-1, m, d)         # [b, m, d]
+        for sl, rows, offs in self._slot_chunks(run, B, m * d):
+            Y = ball(g, (sl.stop - sl.start) * m, d, a, x.dtype).view(-1, m, d)[offs]   # [b, m, d]
+            if not len(rows):
+                continue
             pts = (x + Y).reshape(-1, d)
-            idx = indices[sl].repeat_interleave(m)
-            out[sl] = self.query.grads(pts, idx).view(-1, m, d).mean(1)
-            loss[sl] = self.query.losses(pts, idx).view(-1, m).mean(1)
+            idx = indices[rows].repeat_interleave(m)
+            out[rows] = self.query.grads(pts, idx).view(-1, m, d).mean(1)
+            loss[rows] = self.query.losses(pts, idx).view(-1, m).mean(1)
         return out, loss
 
     def _fresh(self, x, indices, run):
