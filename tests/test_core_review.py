@@ -35,3 +35,17 @@ def test_an_epsilon_without_delta_is_refused_not_ignored(tmp_path):
     with pytest.raises(UserError, match="privacy.delta") as e:
         make_run(recipe, tmp_path)
     assert e.value.key.startswith("privacy")
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "rdp_filter", "pld"])
+def test_a_rho_budget_is_refused_by_accountants_that_cannot_enforce_it(accountant, tmp_path):
+    """privacy.rho is a zCDP budget. The (ε, δ)/RDP accountants ignored it: 50 steps of
+    z = 0.8 (ρ = (2C/σ)²/2 per unamplified step, 50 · 3.125 = 156 in total) ran under rho: 1e-4."""
+    recipe = dp_sgd(privatizer={"clip": 1.0, "noise_multiplier": 0.8}, accountant=accountant,
+                    privacy={"epsilon": 50.0, "delta": 1e-3, "rho": 1e-4}, train={"steps": 50, "progress": False})
+    with pytest.raises(UserError, match="privacy.rho is a zCDP budget") as e:
+        make_run(recipe, tmp_path)
+    assert e.value.key.startswith("privacy")
+    # the zcdp accountant enforces ρ: the same recipe is refused for overspending it
+    with pytest.raises(UserError, match="ρ = 156.25, more than the budget ρ = 0.0001"):
+        make_run(dict(recipe, accountant="zcdp"), tmp_path)

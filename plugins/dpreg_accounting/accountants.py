@@ -81,6 +81,13 @@ def _partition_sum(groups, value) -> dict:
     return out
 
 
+def refuse_rho_budget(acc: Accountant) -> None:
+    """privacy.rho is a zCDP budget: an accountant that budgets (ε, δ) would silently ignore it."""
+    if acc.budget.rho is not None:
+        raise UserError(f"privacy.rho is a zCDP budget, which the {acc.name} accountant cannot enforce; use "
+                        f"accountant zcdp, or give the budget as privacy.epsilon and privacy.delta", key="privacy.rho")
+
+
 # ------------------------------------------------------------------------------------------
 # RDP
 # ------------------------------------------------------------------------------------------
@@ -144,6 +151,9 @@ class RdpAccountant(Accountant):
     supports = frozenset({"gaussian", "poisson_sampled", "sampled_without_replacement", "composed",
                           "self_composed", "zcdp", "tree_aggregation", "exponential", "non_private"})
     Params = RdpParams
+
+    def validate(self, run):
+        refuse_rho_budget(self)
 
     @property
     def orders(self) -> tuple:
@@ -404,6 +414,9 @@ class PldAccountant(Accountant):
     supports = frozenset({"gaussian", "poisson_sampled", "composed", "self_composed", "tree_aggregation",
                           "exponential", "non_private"})
     Params = PldParams
+
+    def validate(self, run):
+        refuse_rho_budget(self)
 
     def _per_partition(self, groups) -> list[frozenset]:
         base = groups.get(None, Counter())
