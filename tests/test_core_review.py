@@ -49,3 +49,32 @@ def test_a_rho_budget_is_refused_by_accountants_that_cannot_enforce_it(accountan
     # the zcdp accountant enforces ρ: the same recipe is refused for overspending it
     with pytest.raises(UserError, match="ρ = 156.25, more than the budget ρ = 0.0001"):
         make_run(dict(recipe, accountant="zcdp"), tmp_path)
+
+
+# -- shuffled batches: parallel composition inside an epoch --------------------------------------
+
+
+def shuffle_recipe(**sampler):
+    return dp_sgd(algorithm="standard", estimator={"name": "per_example_grad"},
+                  sampler={"name": "shuffle", "batch_size": 16, **sampler},
+                  privatizer={"name": "gaussian", "clip": 1.0, "noise_multiplier": 1.0},
+                  update={"name": "sgd", "lr": 0.1}, accountant="rdp", privacy={"epsilon": 50.0, "delta": 1e-3})
+
+
+def test_exact_shuffle_accounting_is_refused_under_add_remove(tmp_path):
+    """Exact shuffle accounting charges one release of sensitivity C per epoch, which assumes that
+    a neighbour changes one batch. Under add/remove the data size changes, and the seeded
+    permutation of n + 1 records cuts entirely different batches than that of n records."""
+    import torch
+
+    run = make_run(shuffle_recipe(), tmp_path)  # replace-one: accepted
+    n, B = run.n_train, run.sampler.B
+    first = set(torch.randperm(n, generator=run.rng.generator("shuffle", 0))[:B].tolist())
+    first_plus = set(torch.randperm(n + 1, generator=run.rng.generator("shuffle", 0))[:B].tolist())
+    assert len(first ^ first_plus) > 2  # more than the one added record moved
+    with pytest.raises(UserError, match="replace.one") as e:
+        make_run(dict(shuffle_recipe(), privacy={"epsilon": 50.0, "delta": 1e-3, "relation": "add_remove"}), tmp_path)
+    assert e.value.key.startswith("sampler") or e.value.key.startswith("privacy")
+    # the heuristic mode makes no such claim and stays available
+    make_run(dict(shuffle_recipe(accounting="poisson_heuristic"),
+                  privacy={"epsilon": 50.0, "delta": 1e-3, "relation": "add_remove"}), tmp_path)

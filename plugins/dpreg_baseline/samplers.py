@@ -77,6 +77,10 @@ class ShuffleSampler(Sampler):
         if run.algorithm.adaptive and self.cfg.accounting == "exact":
             raise UserError("shuffle sampling with exact accounting needs the same mechanism at every step; "
                             "use the poisson sampler for adaptive algorithms", key="sampler")
+        if run.relation != "replace_one" and self.cfg.accounting == "exact":
+            # A neighbour must change one batch of the epoch; adding a record re-cuts every batch.
+            raise UserError("shuffle sampling with exact accounting is analysed under replace-one neighbours "
+                            "(privacy.relation: replace_one); use the poisson sampler for add/remove", key="sampler")
 
     def indices(self, step, run):
         epoch, j = divmod(step, self.per_epoch)
