@@ -78,3 +78,25 @@ def test_exact_shuffle_accounting_is_refused_under_add_remove(tmp_path):
     # the heuristic mode makes no such claim and stays available
     make_run(dict(shuffle_recipe(accounting="poisson_heuristic"),
                   privacy={"epsilon": 50.0, "delta": 1e-3, "relation": "add_remove"}), tmp_path)
+
+
+def test_exact_shuffle_accounting_charges_a_step_whose_mechanism_differs_from_the_epoch_start(tmp_path):
+    """A record of batch j suffers the release of step j. The sampler charged only the epoch's
+    first step and dropped every later one, which is right only when all steps release the same
+    mechanism; a step with less noise (a schedule, a third-party privatizer) went uncharged."""
+    from dpregistry.privacy.accountant import Budget, make_accountant
+    from dpregistry.privacy.events import Gaussian
+    from dpregistry.stages import Charge
+
+    run = make_run(dict(shuffle_recipe(), privacy={"delta": 1e-3}), tmp_path)
+    assert run.sampler.per_epoch >= 3
+    planned, weak = Gaussian(std=1.0, sensitivity=2.0), Gaussian(std=0.25, sensitivity=2.0)
+    run.step = 0
+    run.charge([planned])
+    run.step = 1
+    assert run.charge([planned]) == []  # the same mechanism: covered by parallel composition
+    run.step = 2
+    run.charge([weak])                  # records of batch 2 suffer this release
+    alone = make_accountant("rdp", Budget(delta=1e-3)).epsilon(extra=[Charge(weak)])
+    assert run.accountant.epsilon() >= alone
+    assert run.accountant.ledger.n_charges == 2

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
 
 from dpregistry import Charge, Sampler, StageParams, UserError
-from dpregistry.privacy.events import NonPrivate, PoissonSampled, SampledWithoutReplacement
+from dpregistry.privacy.events import NonPrivate, PoissonSampled, PrivacyEvent, SampledWithoutReplacement
 
 
 class PoissonParams(StageParams):
@@ -59,7 +60,8 @@ class ShuffleSampler(Sampler):
     """Shuffled fixed-size batches, a fresh permutation each epoch (the last partial batch is dropped).
 
     ``accounting: exact`` uses parallel composition inside an epoch (every record is in exactly one
-    batch), so each epoch costs one unamplified release, charged at the epoch's first step.
+    batch), so each epoch costs one unamplified release, charged at the epoch's first step; a later
+    step whose release that charge does not cover (another mechanism) is charged as well.
     """
 
     name = "shuffle"
@@ -96,9 +98,27 @@ class ShuffleSampler(Sampler):
         if self.cfg.accounting == "poisson_heuristic":
             q = self.B / self.n
             return [Charge(e if isinstance(e, NonPrivate) else PoissonSampled(q, e)) for e in events]
-        if step % self.per_epoch == 0:
+        start = step - step % self.per_epoch
+        if step == start:
             return [Charge(e) for e in events]
-        return []  # covered by the charge at the epoch's first step
+        if step != run.step:
+            return []  # a later step of a plan: assumed to release what the epoch's first step did
+        # A record of this batch suffers this step's release: parallel composition covers it only
+        # if the epoch's first step charged it; charge the rest (sequential composition, valid).
+        missing = Counter(events) - self._charged_at(start, run)
+        return [Charge(e, count=n) for e, n in missing.items()]
+
+    @staticmethod
+    def _charged_at(step, run) -> Counter:
+        """Unpartitioned events the ledger charged at ``step`` (an entry spanning several steps
+        counts its per-step share, rounded down)."""
+        out: Counter = Counter()
+        for e in run.accountant.ledger.entries:
+            if e["partition"] is None and e["first_step"] <= step <= e["last_step"]:
+                share = e["count"] // (e["last_step"] - e["first_step"] + 1)
+                if share:
+                    out[PrivacyEvent.from_dict(e["event"])] += share
+        return out
 
 
 class UniformParams(StageParams):
