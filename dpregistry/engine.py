@@ -214,6 +214,16 @@ class Run:
             src = BroadcastNoise(src, self.comm)
         return src
 
+    def sampling_generator(self, purpose: str, step: int, *extra) -> torch.Generator:
+        """The generator of a sampler whose privacy amplification needs its batches kept secret
+        (as secret as the noise: see :mod:`dpregistry.rng`); the same on every rank."""
+        seed = self.rng.sampling_seed(purpose, step, *extra)
+        if self.rng.secure_noise and self.comm.world_size > 1:
+            seed = self.comm.broadcast_object(seed)  # OS entropy differs per rank: rank 0 decides
+        g = torch.Generator()
+        g.manual_seed(seed)
+        return g
+
     def charge(self, events) -> list[Charge]:
         charges = self.sampler.account(self.step, list(events), self)
         self.accountant.charge(charges, self.step)

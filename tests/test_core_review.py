@@ -100,3 +100,85 @@ def test_exact_shuffle_accounting_charges_a_step_whose_mechanism_differs_from_th
     alone = make_accountant("rdp", Budget(delta=1e-3)).epsilon(extra=[Charge(weak)])
     assert run.accountant.epsilon() >= alone
     assert run.accountant.ledger.n_charges == 2
+
+
+# -- amplification by sampling needs batches as secret as the noise ------------------------------
+
+
+def public_batch(recipe, n, step):
+    """The batch anyone can compute from the recipe: its seed and the sampler's public purpose."""
+    import torch
+
+    from dpregistry.rng import RunRNG
+
+    g = RunRNG(recipe["seed"]).generator(recipe["sampler"]["name"], step)
+    if recipe["sampler"]["name"] == "poisson":
+        return (torch.rand(n, generator=g) < recipe["sampler"]["batch_size"] / n).nonzero().squeeze(1)
+    return torch.randperm(n, generator=g)[:recipe["sampler"]["batch_size"]]
+
+
+SAMPLED = [dp_sgd(), dp_sgd(sampler={"name": "uniform", "batch_size": 16}, privacy={"epsilon": 20.0, "delta": 1e-3})]
+
+
+@pytest.mark.parametrize("recipe", SAMPLED, ids=["poisson", "uniform"])
+def test_keyed_and_secure_modes_sample_batches_nobody_can_regenerate_from_the_recipe(recipe, tmp_path, monkeypatch):
+    """The accountant charges amplified events (PoissonSampled, SampledWithoutReplacement), which
+    hold only if the batch is hidden. In keyed and secure modes the batches came from the public
+    recipe seed, so anyone holding the recipe knew when each record was used."""
+    import torch
+
+    from dpregistry.rng import NOISE_KEY_ENV
+
+    def batches(run):
+        return [run.sampler.indices(t, run) for t in range(4)]
+
+    seeded = make_run(recipe, tmp_path)
+    n = seeded.n_train
+    public = [public_batch(recipe, n, t) for t in range(4)]
+    # default mode: nothing is secret from the seed (the summary says so), batches unchanged
+    assert all(torch.equal(a, b) for a, b in zip(batches(seeded), public))
+
+    monkeypatch.setenv(NOISE_KEY_ENV, "k1")
+    keyed = batches(make_run(recipe, tmp_path))
+    assert not any(torch.equal(a, b) for a, b in zip(keyed, public))
+    assert all(torch.equal(a, b) for a, b in zip(keyed, batches(make_run(recipe, tmp_path))))  # reproducible
+    monkeypatch.setenv(NOISE_KEY_ENV, "k2")
+    assert not any(torch.equal(a, b) for a, b in zip(keyed, batches(make_run(recipe, tmp_path))))
+    monkeypatch.delenv(NOISE_KEY_ENV)
+
+    secure = dict(recipe, privacy=dict(recipe["privacy"], secure_noise=True))
+    one, two = batches(make_run(secure, tmp_path)), batches(make_run(secure, tmp_path))
+    assert not any(torch.equal(a, b) for a, b in zip(one, public))
+    assert not any(torch.equal(a, b) for a, b in zip(one, two))
+
+
+
+def test_secure_mode_ranks_draw_the_same_secret_batch(tmp_path):
+    """In secure mode each process has its own OS entropy, but every rank must cut its shard from
+    the same global batch: rank 0 draws the sampling seed and broadcasts it. (A replica checksum
+    cannot catch a disagreement: ranks all-reduce one sum either way.)"""
+    import torch
+
+    from dpregistry.engine import LocalComm, Run
+    from dpregistry.recipe import load
+    from conftest import write_recipe
+
+    channel = {}
+
+    class TwoRanks(LocalComm):
+        world_size = 2
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        def broadcast_object(self, obj, src=0):
+            if self.rank == src:
+                channel["obj"] = obj
+            return channel["obj"]
+
+    recipe = load(write_recipe(tmp_path, dict(dp_sgd(), privacy={"epsilon": 8.0, "delta": 1e-3,
+                                                                  "secure_noise": True})))
+    ranks = [Run(recipe, None, comm=TwoRanks(r)).prepare() for r in (0, 1)]
+    for t in range(3):
+        a, b = (run.sampler.indices(t, run) for run in ranks)  # rank 0 first, as a broadcast orders it
+        assert torch.equal(a, b)

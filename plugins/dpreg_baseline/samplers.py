@@ -38,8 +38,9 @@ class PoissonSampler(Sampler):
                             key="sampler.batch_size")
 
     def indices(self, step, run):
-        # Sampling is global (every rank draws the same mask), so q is the true rate.
-        g = run.rng.generator("poisson", step)
+        # Sampling is global (every rank draws the same mask), so q is the true rate; the mask is
+        # as secret as the noise, since the amplification by sampling assumes it is hidden.
+        g = run.sampling_generator("poisson", step)
         return (torch.rand(self.n, generator=g) < self.q).nonzero().squeeze(1)
 
     def expected_batch_size(self, run):
@@ -144,7 +145,7 @@ class UniformSampler(Sampler):
                             "(privacy.relation: replace_one); use the poisson sampler for add/remove", key="sampler")
 
     def indices(self, step, run):
-        return torch.randperm(self.n, generator=run.rng.generator("uniform", step))[:self.B]
+        return torch.randperm(self.n, generator=run.sampling_generator("uniform", step))[:self.B]
 
     def expected_batch_size(self, run):
         return float(self.B)
