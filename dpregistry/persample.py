@@ -335,6 +335,16 @@ def handler_for(module: nn.Module) -> LayerHandler | None:
     return None
 
 
+def check_forward_is_pure(model: nn.Module) -> None:
+    """Refuse layers whose forward pass rewrites parameters from the data it sees: an embedding
+    with ``max_norm`` rescales, in place and without noise, the rows of the batch's ids, so the
+    released weights would show which tokens a private batch held (trainable or frozen alike)."""
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            raise UserError(f"embedding {name or '<root>'} has max_norm, which renormalises the rows of each "
+                            "batch's ids in place (a non-private release of the batch); remove max_norm")
+
+
 def _check_supported(name: str, module: nn.Module) -> None:
     if isinstance(module, nn.Embedding) and type(module) is nn.Embedding and module.scale_grad_by_freq:
         raise UserError(f"per-example gradients: embedding {name} uses scale_grad_by_freq, which mixes the "
@@ -377,6 +387,7 @@ class GradSampler:
 
     def __init__(self, model: nn.Module, params: dict[str, torch.Tensor],
                  handler_for: Callable[[nn.Module], LayerHandler | None] = handler_for):
+        check_forward_is_pure(model)
         self.model = model
         self.params = params
         ids = {id(p): n for n, p in params.items()}

@@ -182,3 +182,41 @@ def test_secure_mode_ranks_draw_the_same_secret_batch(tmp_path):
     for t in range(3):
         a, b = (run.sampler.indices(t, run) for run in ranks)  # rank 0 first, as a broadcast orders it
         assert torch.equal(a, b)
+
+
+# -- a forward pass must not change parameters from private data ----------------------------------
+
+
+def test_an_embedding_that_renormalises_its_rows_in_the_forward_pass_is_refused():
+    """nn.Embedding(max_norm=...) rescales, in place and without noise, the rows of the ids a
+    forward pass sees: after one private step the released weights show which tokens the batch
+    held. Neither the hooks nor any other estimator can make that private."""
+    import torch
+    from torch import nn
+
+    from dpregistry.persample import GradSampler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight.mul_(10)  # every row longer than max_norm
+    before = model[0].weight.detach().clone()
+    private_ids = torch.tensor([[2, 7]])
+    model(private_ids)
+    changed = (model[0].weight != before).any(1).nonzero().squeeze(1).tolist()
+    assert changed == [2, 7]  # the leak: exactly the private batch's tokens
+    with pytest.raises(UserError, match="max_norm"):
+        GradSampler(model, dict(model.named_parameters()))
+    frozen = dict(model[2].named_parameters(prefix="2"))  # a frozen renormalising embedding leaks too
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(UserError, match="max_norm"):
+        GradSampler(model, frozen)
+    # zeroth-order estimators only run forward passes: the objective itself refuses the model
+    from dpregistry.objectives import TorchObjective
+
+    class Renorm(TorchObjective):
+        def build(self, run):
+            self.model = model
+
+    with pytest.raises(UserError, match="max_norm"):
+        Renorm().setup(run=None)
