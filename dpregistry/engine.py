@@ -192,8 +192,7 @@ class Run:
         z = getattr(self.privatizer, "noise_multiplier", None)
         plan = self.algorithm.plan(self, z) if z is not None or not self.algorithm.adaptive else []
         self.accountant.check_events(c.event for c in plan)
-        has_budget = (self.budget.epsilon is not None and self.budget.delta is not None) or self.budget.rho is not None
-        if has_budget and plan:
+        if self.budget.is_set and plan:
             try:
                 self.accountant.approve(plan)
             except BudgetExhausted:

@@ -70,9 +70,6 @@ class TorchObjective(Objective):
     def device(self):
         return self.run.device
 
-    def params_cfg(self):
-        return self.cfg
-
     def params(self):
         return self._params
 

@@ -38,7 +38,7 @@ from pydantic import Field
 from dpregistry.errors import UserError
 from dpregistry.privacy.accountant import (Accountant, _log_ratio, largest_extra, solve_boundary,
                                            total_fits)
-from dpregistry.privacy.conversions import epsilon_to_zcdp, zcdp_to_delta, zcdp_to_epsilon
+from dpregistry.privacy.conversions import epsilon_to_zcdp, gaussian_zcdp, zcdp_to_delta, zcdp_to_epsilon
 from dpregistry.privacy.events import (Composed, Exponential, Gaussian, NonPrivate, PoissonSampled,
                                        PrivacyEvent, SampledWithoutReplacement, SelfComposed,
                                        TreeAggregation, ZCDP)
@@ -95,8 +95,8 @@ def refuse_rho_budget(acc: Accountant) -> None:
 
 def _to_rdp_event(ev: PrivacyEvent, relation: str):
     """(dp-accounting event, dp-accounting relation) for the RDP accountant."""
-    if isinstance(ev, TreeAggregation):
-        ev = ev.as_gaussian()
+    if isinstance(ev, TreeAggregation):  # nodes·ρ(node): exact in the node count, not via √nodes
+        return gaussian_zcdp(ev.sensitivity, ev.std) * ev.nodes_per_record
     if isinstance(ev, Gaussian):
         return (dpa.GaussianDpEvent(ev.noise_multiplier) if ev.std > 0 else dpa.NonPrivateDpEvent()), NR.ADD_OR_REMOVE_ONE
     if isinstance(ev, PoissonSampled):
@@ -343,8 +343,8 @@ def pld_of(ev: PrivacyEvent, relation: str, discretization: float):
     PLD of a replace-one subsampled Gaussian at a small noise is the slow part of accounting.
     Connect-the-dots PLDs (Doroshenko et al. 2022) stay pessimistic and close to the truth even at
     coarse discretizations, which the coarse stage of calibration relies on."""
-    if isinstance(ev, TreeAggregation):
-        ev = ev.as_gaussian()
+    if isinstance(ev, TreeAggregation):  # nodes·ρ(node): exact in the node count, not via √nodes
+        return gaussian_zcdp(ev.sensitivity, ev.std) * ev.nodes_per_record
     if isinstance(ev, Gaussian):
         if ev.std == 0:
             return math.inf
@@ -495,10 +495,10 @@ class PldAccountant(Accountant):
 
 def zcdp_rho(ev: PrivacyEvent) -> float:
     """ρ of one event. Subsampling is not amplified in zCDP (a valid, conservative charge)."""
-    if isinstance(ev, TreeAggregation):
-        return math.inf if ev.std == 0 else (ev.sensitivity / ev.std) ** 2 * ev.nodes_per_record / 2
+    if isinstance(ev, TreeAggregation):  # nodes·ρ(node): exact in the node count, not via √nodes
+        return gaussian_zcdp(ev.sensitivity, ev.std) * ev.nodes_per_record
     if isinstance(ev, Gaussian):
-        return math.inf if ev.std == 0 else (ev.sensitivity / ev.std) ** 2 / 2  # no overflow for huge σ
+        return gaussian_zcdp(ev.sensitivity, ev.std)
     if isinstance(ev, (PoissonSampled, SampledWithoutReplacement)):
         return zcdp_rho(ev.event)
     if isinstance(ev, ZCDP):
