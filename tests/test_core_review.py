@@ -220,3 +220,59 @@ def test_an_embedding_that_renormalises_its_rows_in_the_forward_pass_is_refused(
 
     with pytest.raises(UserError, match="max_norm"):
         Renorm().setup(run=None)
+
+
+# -- per-example gradients: a layer's rows must each belong to one example ------------------------
+
+
+def _per_example_reference(model, params, losses):
+    """One backward per example (shares nothing with the hooks)."""
+    import torch
+
+    rows = []
+    for i in range(losses.shape[0]):
+        gs = torch.autograd.grad(losses[i], list(params.values()), retain_graph=True)
+        rows.append(torch.sqrt(sum(g.pow(2).sum() for g in gs)))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("layout", ["two_views", "sequence_first"])
+def test_a_layer_whose_rows_mix_examples_is_refused_not_misattributed(layout):
+    """The hooks read dimension 0 of a layer's output as the example (or batch-major blocks of it).
+    A batch concatenated with a second view of itself ([2B, F]: rows i and B + i are example i) or
+    a sequence-first tensor ([T, B, F] with T a multiple of B) fit that shape, and each clipped
+    "example" mixed several records: a record then moved several clipped rows, beyond 2C."""
+    import torch
+    from torch import nn
+
+    from dpregistry.persample import GradSampler
+
+    class TwoViews(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            B = x.shape[0]
+            h = self.lin(torch.cat([x, 2 * x]))
+            return (h[:B] * h[B:]).sum(-1)
+
+    class SequenceFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):                          # x: [B, T, 3]
+            return self.lin(x.transpose(0, 1)).pow(2).sum((0, 2))  # the layer sees [T, B, 3]
+
+    torch.manual_seed(0)
+    model, x = (TwoViews(), torch.randn(4, 3)) if layout == "two_views" else (SequenceFirst(), torch.randn(4, 8, 3))
+    params = dict(model.named_parameters())
+    truth = _per_example_reference(model, params, model(x))
+    gs = GradSampler(model, params)
+    with pytest.raises(UserError, match="one example"):
+        with torch.enable_grad(), gs.capture(4):
+            losses = model(x)
+        norms = gs.contribution(losses).norms()
+        # what the hooks reported instead of refusing: norms of mixtures, not of the examples
+        assert torch.allclose(norms, truth, rtol=1e-4), (norms, truth)
