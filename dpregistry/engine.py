@@ -628,7 +628,13 @@ def resume_run(out_dir: Path, *, comm=None, console=None, warn=print) -> Run:
     rpath = out_dir / "recipe.json"
     if not rpath.exists():
         raise UserError("not a dpregistry run folder (no recipe.json)", file=str(out_dir))
-    stored = json.loads(rpath.read_text())
+    try:
+        stored = json.loads(rpath.read_text())
+    except (OSError, ValueError):
+        stored = None
+    if not (isinstance(stored, dict) and isinstance(stored.get("recipe"), dict)
+            and isinstance(stored.get("recipe_hash"), str)):
+        raise UserError("unreadable recipe.json (not the one `dpreg run` wrote)", file=str(rpath))
     recipe = resolve(stored["recipe"], {}, get_registry(), source=str(rpath))
     if recipe.hash != stored["recipe_hash"]:
         raise UserError("the installed stages resolve this recipe differently than when the run started "

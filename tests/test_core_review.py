@@ -276,3 +276,17 @@ def test_a_layer_whose_rows_mix_examples_is_refused_not_misattributed(layout):
         norms = gs.contribution(losses).norms()
         # what the hooks reported instead of refusing: norms of mixtures, not of the examples
         assert torch.allclose(norms, truth, rtol=1e-4), (norms, truth)
+
+
+# -- error paths: one line, exit 2 -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"recipe": 5, "recipe_hash": "x"}', '{"recipe": {}}'],
+                         ids=["not_json", "a_list", "recipe_not_a_mapping", "no_hash"])
+def test_resume_of_a_damaged_recipe_json_is_one_line(text, tmp_path):
+    from test_core_cli import dpreg
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "recipe.json").write_text(text)
+    res = dpreg("resume", tmp_path / "run")
+    assert res.returncode == 2 and "recipe.json" in res.stderr
