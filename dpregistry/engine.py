@@ -135,12 +135,24 @@ class Run:
 
         A UserError that a stage raises without a file is located in the recipe (file, line, key)."""
         self._section: str | None = None
+        self._check_ranks_share_the_noise_key()
         try:
             self._prepare_stages()
             self.device  # noqa: B018  (an objective that never placed a tensor still gets the check)
         except UserError as e:
             raise _locate(e, self.recipe, self._section)
         return self
+
+    def _check_ranks_share_the_noise_key(self) -> None:
+        """Keyed noise and batches derive from DPREG_NOISE_KEY on every rank: a rank with another key
+        (or none) would add other noise and cut its shard from another batch (a record summed twice)."""
+        if self.comm.world_size == 1:
+            return
+        mine = (self.rng.noise_mode, self.rng.noise_fingerprint)
+        differs = self.comm.broadcast_object(mine) != mine
+        if self.comm.any_flag(differs):
+            raise UserError(f"the ranks do not share one DPREG_NOISE_KEY (rank {self.comm.rank}: "
+                            f"{'a different key' if differs else 'as rank 0'}); give every rank the same key")
 
     @property
     def device(self) -> torch.device:

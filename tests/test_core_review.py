@@ -290,3 +290,37 @@ def test_resume_of_a_damaged_recipe_json_is_one_line(text, tmp_path):
     (tmp_path / "run" / "recipe.json").write_text(text)
     res = dpreg("resume", tmp_path / "run")
     assert res.returncode == 2 and "recipe.json" in res.stderr
+
+
+def test_ranks_with_different_noise_keys_are_refused(tmp_path, monkeypatch):
+    """Keyed batches and noise derive from DPREG_NOISE_KEY on every rank: a rank with another key
+    (or none) would cut its shard from another batch (a record could be summed on two ranks, twice
+    the sensitivity) and add other noise."""
+    from dpregistry.engine import LocalComm, Run
+    from dpregistry.recipe import load
+    from dpregistry.rng import NOISE_KEY_ENV
+    from conftest import write_recipe
+
+    channel = {}
+
+    class TwoRanks(LocalComm):
+        world_size = 2
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        def broadcast_object(self, obj, src=0):
+            if self.rank == src:
+                channel["obj"] = obj
+            return channel["obj"]
+
+    recipe = load(write_recipe(tmp_path, dp_sgd()))
+    monkeypatch.setenv(NOISE_KEY_ENV, "k1")
+    Run(recipe, None, comm=TwoRanks(0)).prepare()
+    Run(recipe, None, comm=TwoRanks(1)).prepare()  # the same key: fine
+    monkeypatch.setenv(NOISE_KEY_ENV, "k2")
+    with pytest.raises(UserError, match="DPREG_NOISE_KEY"):
+        Run(recipe, None, comm=TwoRanks(1)).prepare()
+    monkeypatch.delenv(NOISE_KEY_ENV)
+    with pytest.raises(UserError, match="DPREG_NOISE_KEY"):
+        Run(recipe, None, comm=TwoRanks(1)).prepare()
