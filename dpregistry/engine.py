@@ -137,12 +137,24 @@ class Run:
 
         A UserError that a stage raises without a file is located in the recipe (file, line, key)."""
         self._section: str | None = None
+        self._check_ranks_share_the_noise_key()
         try:
             self._prepare_stages()
             self.device  # noqa: B018  (an objective that never placed a tensor still gets the check)
         except UserError as e:
             raise _locate(e, self.recipe, self._section)
         return self
+
+    def _check_ranks_share_the_noise_key(self) -> None:
+        """Keyed noise and batches derive from DPREG_NOISE_KEY on every rank: a rank with another key
+        (or none) would add other noise and cut its shard from another batch (a record summed twice)."""
+        if self.comm.world_size == 1:
+            return
+        mine = (self.rng.noise_mode, self.rng.noise_fingerprint)
+        differs = self.comm.broadcast_object(mine) != mine
+        if self.comm.any_flag(differs):
+            raise UserError(f"the ranks do not share one DPREG_NOISE_KEY (rank {self.comm.rank}: "
+                            f"{'a different key' if differs else 'as rank 0'}); give every rank the same key")
 
     @property
     def device(self) -> torch.device:
@@ -194,8 +206,7 @@ class Run:
         z = getattr(self.privatizer, "noise_multiplier", None)
         plan = self.algorithm.plan(self, z) if z is not None or not self.algorithm.adaptive else []
         self.accountant.check_events(c.event for c in plan)
-        has_budget = (self.budget.epsilon is not None and self.budget.delta is not None) or self.budget.rho is not None
-        if has_budget and plan:
+        if self.budget.is_set and plan:
             try:
                 self.accountant.approve(plan)
             except BudgetExhausted:
@@ -215,6 +226,16 @@ class Run:
 
             src = BroadcastNoise(src, self.comm)
         return src
+
+    def sampling_generator(self, purpose: str, step: int, *extra) -> torch.Generator:
+        """The generator of a sampler whose privacy amplification needs its batches kept secret
+        (as secret as the noise: see :mod:`dpregistry.rng`); the same on every rank."""
+        seed = self.rng.sampling_seed(purpose, step, *extra)
+        if self.rng.secure_noise and self.comm.world_size > 1:
+            seed = self.comm.broadcast_object(seed)  # OS entropy differs per rank: rank 0 decides
+        g = torch.Generator()
+        g.manual_seed(seed)
+        return g
 
     def charge(self, events) -> list[Charge]:
         charges = self.sampler.account(self.step, list(events), self)
@@ -621,7 +642,13 @@ def resume_run(out_dir: Path, *, comm=None, console=None, warn=print) -> Run:
     rpath = out_dir / "recipe.json"
     if not rpath.exists():
         raise UserError("not a dpregistry run folder (no recipe.json)", file=str(out_dir))
-    stored = json.loads(rpath.read_text())
+    try:
+        stored = json.loads(rpath.read_text())
+    except (OSError, ValueError):
+        stored = None
+    if not (isinstance(stored, dict) and isinstance(stored.get("recipe"), dict)
+            and isinstance(stored.get("recipe_hash"), str)):
+        raise UserError("unreadable recipe.json (not the one `dpreg run` wrote)", file=str(rpath))
     recipe = resolve(stored["recipe"], {}, get_registry(), source=str(rpath))
     if recipe.hash != stored["recipe_hash"]:
         raise UserError("the installed stages resolve this recipe differently than when the run started "

@@ -9,6 +9,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import UserError
+from .persample import check_forward_is_pure
 from .stages import Objective
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -55,6 +56,7 @@ class TorchObjective(Objective):
     def setup(self, run) -> None:
         self.run = run
         self.build(run)  # resolves model and data paths before it places anything on run.device
+        check_forward_is_pure(self.model)  # every estimator runs forward passes on private data
         self.model.eval()
         trainable: Trainable = getattr(self.cfg, "trainable", None) or Trainable()
         for name, p in self.model.named_parameters():
@@ -67,9 +69,6 @@ class TorchObjective(Objective):
     @property
     def device(self):
         return self.run.device
-
-    def params_cfg(self):
-        return self.cfg
 
     def params(self):
         return self._params

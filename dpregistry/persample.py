@@ -335,6 +335,16 @@ def handler_for(module: nn.Module) -> LayerHandler | None:
     return None
 
 
+def check_forward_is_pure(model: nn.Module) -> None:
+    """Refuse layers whose forward pass rewrites parameters from the data it sees: an embedding
+    with ``max_norm`` rescales, in place and without noise, the rows of the batch's ids, so the
+    released weights would show which tokens a private batch held (trainable or frozen alike)."""
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            raise UserError(f"embedding {name or '<root>'} has max_norm, which renormalises the rows of each "
+                            "batch's ids in place (a non-private release of the batch); remove max_norm")
+
+
 def _check_supported(name: str, module: nn.Module) -> None:
     if isinstance(module, nn.Embedding) and type(module) is nn.Embedding and module.scale_grad_by_freq:
         raise UserError(f"per-example gradients: embedding {name} uses scale_grad_by_freq, which mixes the "
@@ -377,6 +387,7 @@ class GradSampler:
 
     def __init__(self, model: nn.Module, params: dict[str, torch.Tensor],
                  handler_for: Callable[[nn.Module], LayerHandler | None] = handler_for):
+        check_forward_is_pure(model)
         self.model = model
         self.params = params
         ids = {id(p): n for n, p in params.items()}
@@ -406,6 +417,10 @@ class GradSampler:
         self._uses: dict[int, list[Use]] = {}
         self._handles = []
         self._anchor: torch.Tensor | None = None
+        #: the layout check (see ``_check_layout``): backprops of the signed probe, then its result
+        self._probes: dict[int, torch.Tensor] | None = None
+        self._signs: torch.Tensor | None = None
+        self._layout_checked = False
 
     def _hook(self, module, args, kwargs, output):
         if not torch.is_grad_enabled():
@@ -446,7 +461,13 @@ class GradSampler:
             use.kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
 
         def on_backprop(g, use=use, h=h, fold=fold):
-            use.g = g.reshape(B, fold, *g.shape[1:]) if fold > 1 else g
+            g = g.reshape(B, fold, *g.shape[1:]) if fold > 1 else g
+            if self._probes is not None and self._signs is None:  # the probe pass: keep the backprop only
+                self._probes[id(use)] = g.detach().clone()
+                return
+            if self._probes is not None:
+                self._check_layout(use, g)
+            use.g = g
             h.on_backprop(use)
 
         if self._anchor is None:
@@ -475,6 +496,39 @@ class GradSampler:
 
         return _Ctx()
 
+    def _probe_layout(self, losses, finite, anchor) -> None:
+        """First half of the layout check, once per sampler: backprop Σ_i s_i·loss_i with
+        alternating signs s_i = ±1 and keep each tapped output's backprop (no handler runs)."""
+        signs = 1.0 - 2.0 * (torch.arange(losses.shape[0], device=losses.device) % 2).to(losses.dtype)
+        probe = torch.where(finite, losses * signs, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
+        self._probes = {}
+        torch.autograd.grad(probe, [anchor], retain_graph=True, allow_unused=True)
+        self._signs = signs
+        self._layout_checked = True
+
+    def _check_layout(self, use: Use, g: torch.Tensor) -> None:
+        """Second half: in the real backward, a row of example i must have backprop s_i·(its probe
+        backprop). A row that mixes examples, or belongs to another example than the one the shape
+        suggests (a batch concatenated with itself, a sequence-first layout), flips sign somewhere,
+        which rounding never does; clipping such "examples" would not bound a record's influence."""
+        p = self._probes.get(id(use))
+        if p is None:
+            return
+        B = g.shape[0]
+        rows = lambda t: t.reshape(B, -1, t.shape[-1] if t.dim() > 1 else 1).to(acc_dtype(t.dtype))  # noqa: E731
+        gr, pr = rows(g), rows(p)
+        s = self._signs.to(gr.dtype).view(-1, 1, 1)
+        err = torch.linalg.vector_norm(s * pr - gr, dim=-1)
+        size = torch.linalg.vector_norm(gr, dim=-1)
+        ok = torch.isfinite(err) & torch.isfinite(size)  # a NaN/inf example is dropped anyway
+        size, err = torch.where(ok, size, 0.0), torch.where(ok, err, 0.0)
+        significant = size > 1e-6 * size.max()
+        if bool(((err > size) & significant).any()):
+            raise UserError(f"per-example gradients: the output rows of layer {self._names[id(use.module)]} "
+                            f"({type(use.module).__name__}) are not one example each; dimension 0 must be the batch "
+                            "(or batch-major blocks of it), not a batch concatenated with itself or a sequence-first "
+                            "layout")
+
     def contribution(self, losses: torch.Tensor, cls: type | None = None, **extra) -> "HookContribution":
         """Backprops of Σ_i loss_i (non-finite losses are masked out) and the lazy contribution.
 
@@ -490,7 +544,12 @@ class GradSampler:
         total = torch.where(finite, losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
         anchor, self._anchor = self._anchor, None
         if uses and total.requires_grad:
-            torch.autograd.grad(total, [anchor], allow_unused=True)
+            if not self._layout_checked and losses.shape[0] > 1:
+                self._probe_layout(losses, finite, anchor)
+            try:
+                torch.autograd.grad(total, [anchor], allow_unused=True)
+            finally:
+                self._probes = self._signs = None
         self._uses = {}
         by_module: dict[int, list[Use]] = {}
         for u in uses:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import UserError
 from .registry import Entry, Registry
@@ -198,6 +198,14 @@ class PrivacySection(_Strict):
     rho: float | None = Field(default=None, gt=0, description="target ρ (zCDP)")
     relation: Literal["replace_one", "add_remove"] = "replace_one"
     secure_noise: bool = Field(default=False, description="privacy noise from the OS entropy (not reproducible)")
+
+    @model_validator(mode="after")
+    def _epsilon_needs_delta(self):
+        # Without δ no accountant can enforce ε: the budget would be silently ignored.
+        if self.epsilon is not None and self.delta is None:
+            raise ValueError("privacy.epsilon needs privacy.delta (an (ε, δ) budget); without δ it would not be "
+                             "enforced")
+        return self
 
 
 class TrainSection(_Strict):

@@ -1,10 +1,13 @@
 """Randomness, split into public and secret streams.
 
-Everything public (batch sampling, directions, projectors, O2NC's random points, the output
-iterate) is a pure function of the run seed, a purpose and the step: a replica or a resumed run
+Everything public (shuffled and single-pass batches, directions, projectors, O2NC's random
+points, the output iterate) is a pure function of the run seed, a purpose and the step: a replica or a resumed run
 regenerates it from the step alone, and logs can name the seeds.
 
-Privacy noise comes from a separate key, in one of three modes (``RunRNG.noise_mode``):
+Privacy noise comes from a separate key, in one of three modes (``RunRNG.noise_mode``). So does
+the sampling that privacy amplification rests on (Poisson membership, uniformly drawn batches:
+``sampling_seed``): an adversary who can regenerate the batches knows when a record was used, and
+the amplified guarantee no longer holds. It is as secret as the noise in each mode:
 
 * ``seeded`` (default): the key is derived one-way (SHA-256) from the run seed under its own
   domain, so no public step seed determines it (DPZero spec §7, coupling 6: the released code
@@ -14,7 +17,8 @@ Privacy noise comes from a separate key, in one of three modes (``RunRNG.noise_m
   reproduces for whoever holds the key and for nobody else; checkpoints store only a fingerprint
   of it, and a resume must be given the same key.
 * ``secure`` (``privacy.secure_noise: true``): every draw comes from the operating system's
-  entropy (dpregistry.secure_noise); nothing but the noise changes between runs.
+  entropy (dpregistry.secure_noise); nothing but the noise and the sampled batches changes
+  between runs.
 """
 
 from __future__ import annotations
@@ -60,6 +64,17 @@ class RunRNG:
     def step_seed(self, purpose: str, step: int, *extra: object) -> int:
         """Public seed for ``purpose`` at ``step``."""
         return derive("dpregistry-public", self.seed, purpose, step, *extra)
+
+    def sampling_seed(self, purpose: str, step: int, *extra: object) -> int:
+        """Seed of the batch sampling at ``step`` whose secrecy the amplified accounting assumes.
+
+        Seeded mode: the public seed (nothing is secret from the recipe seed in that mode, and
+        runs keep their batches). Keyed: derived from the secret key. Secure: fresh OS entropy."""
+        if self.noise_mode == "seeded":
+            return self.step_seed(purpose, step, *extra)
+        if self.noise_mode == "keyed":
+            return derive("dpregistry-sampling", self._noise_key, purpose, step, *extra)
+        return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
 
     def generator(self, purpose: str, step: int, *extra: object, device="cpu") -> torch.Generator:
         g = torch.Generator(device=device)

@@ -50,7 +50,7 @@ sampler: {name: poisson, batch_size: 4}
 privatizer: {clip: 1.0, noise_multiplier: 1.0}
 update: {lr: 0.001}
 accountant: rdp
-privacy: {epsilon: 50.0}
+privacy: {epsilon: 50.0, delta: 1.0e-5}
 train: {steps: 2}
 """
 GOOD_TSV = "sentence\tlabel\na fine film\t1\na dull film\t0\nsplendid\t1\n"

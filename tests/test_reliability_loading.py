@@ -124,7 +124,7 @@ data: {{path: {sst2_dir}, k_per_class: 4, max_test: 8}}
 sampler: {{name: poisson, batch_size: 4}}
 privatizer: {{clip: 1.0, noise_multiplier: 1.0}}
 accountant: rdp
-privacy: {{epsilon: 1000.0}}
+privacy: {{epsilon: 1000.0, delta: 1.0e-5}}
 train: {{steps: 1}}
 """)
     res = dpreg("validate", recipe)

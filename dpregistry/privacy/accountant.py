@@ -203,8 +203,7 @@ class Accountant(Stage):
             self._approved[(c.event, c.partition)] += c.count
 
     def has_budget(self) -> bool:
-        b = self.budget
-        return (b.epsilon is not None and b.delta is not None) or b.rho is not None
+        return self.budget.is_set
 
     def can_afford(self, charges: Iterable[Charge]) -> bool:
         charges = list(charges)

@@ -32,7 +32,7 @@ def zcdp_to_delta(rho: float, epsilon: float) -> float:
 
 
 def gaussian_zcdp(sensitivity: float, std: float) -> float:
-    """The Gaussian mechanism is Δ²/(2σ²)-zCDP."""
+    """The Gaussian mechanism is Δ²/(2σ²)-zCDP (as (Δ/σ)²/2: no overflow for a huge σ)."""
     if std == 0:
         return math.inf
-    return sensitivity ** 2 / (2.0 * std ** 2)
+    return (sensitivity / std) ** 2 / 2

@@ -38,7 +38,7 @@ from pydantic import Field
 from dpregistry.errors import UserError
 from dpregistry.privacy.accountant import (Accountant, _log_ratio, largest_extra, solve_boundary,
                                            total_fits)
-from dpregistry.privacy.conversions import epsilon_to_zcdp, zcdp_to_delta, zcdp_to_epsilon
+from dpregistry.privacy.conversions import epsilon_to_zcdp, gaussian_zcdp, zcdp_to_delta, zcdp_to_epsilon
 from dpregistry.privacy.events import (Composed, Exponential, Gaussian, NonPrivate, PoissonSampled,
                                        PrivacyEvent, SampledWithoutReplacement, SelfComposed,
                                        TreeAggregation, ZCDP)
@@ -81,6 +81,13 @@ def _partition_sum(groups, value) -> dict:
     return out
 
 
+def refuse_rho_budget(acc: Accountant) -> None:
+    """privacy.rho is a zCDP budget: an accountant that budgets (ε, δ) would silently ignore it."""
+    if acc.budget.rho is not None:
+        raise UserError(f"privacy.rho is a zCDP budget, which the {acc.name} accountant cannot enforce; use "
+                        f"accountant zcdp, or give the budget as privacy.epsilon and privacy.delta", key="privacy.rho")
+
+
 # ------------------------------------------------------------------------------------------
 # RDP
 # ------------------------------------------------------------------------------------------
@@ -88,8 +95,8 @@ def _partition_sum(groups, value) -> dict:
 
 def _to_rdp_event(ev: PrivacyEvent, relation: str):
     """(dp-accounting event, dp-accounting relation) for the RDP accountant."""
-    if isinstance(ev, TreeAggregation):
-        ev = ev.as_gaussian()
+    if isinstance(ev, TreeAggregation):  # nodes·ρ(node): exact in the node count, not via √nodes
+        return gaussian_zcdp(ev.sensitivity, ev.std) * ev.nodes_per_record
     if isinstance(ev, Gaussian):
         return (dpa.GaussianDpEvent(ev.noise_multiplier) if ev.std > 0 else dpa.NonPrivateDpEvent()), NR.ADD_OR_REMOVE_ONE
     if isinstance(ev, PoissonSampled):
@@ -144,6 +151,9 @@ class RdpAccountant(Accountant):
     supports = frozenset({"gaussian", "poisson_sampled", "sampled_without_replacement", "composed",
                           "self_composed", "zcdp", "tree_aggregation", "exponential", "non_private"})
     Params = RdpParams
+
+    def validate(self, run):
+        refuse_rho_budget(self)
 
     @property
     def orders(self) -> tuple:
@@ -333,8 +343,8 @@ def pld_of(ev: PrivacyEvent, relation: str, discretization: float):
     PLD of a replace-one subsampled Gaussian at a small noise is the slow part of accounting.
     Connect-the-dots PLDs (Doroshenko et al. 2022) stay pessimistic and close to the truth even at
     coarse discretizations, which the coarse stage of calibration relies on."""
-    if isinstance(ev, TreeAggregation):
-        ev = ev.as_gaussian()
+    if isinstance(ev, TreeAggregation):  # nodes·ρ(node): exact in the node count, not via √nodes
+        return gaussian_zcdp(ev.sensitivity, ev.std) * ev.nodes_per_record
     if isinstance(ev, Gaussian):
         if ev.std == 0:
             return math.inf
@@ -404,6 +414,9 @@ class PldAccountant(Accountant):
     supports = frozenset({"gaussian", "poisson_sampled", "composed", "self_composed", "tree_aggregation",
                           "exponential", "non_private"})
     Params = PldParams
+
+    def validate(self, run):
+        refuse_rho_budget(self)
 
     def _per_partition(self, groups) -> list[frozenset]:
         base = groups.get(None, Counter())
@@ -482,10 +495,10 @@ class PldAccountant(Accountant):
 
 def zcdp_rho(ev: PrivacyEvent) -> float:
     """ρ of one event. Subsampling is not amplified in zCDP (a valid, conservative charge)."""
-    if isinstance(ev, TreeAggregation):
-        return math.inf if ev.std == 0 else (ev.sensitivity / ev.std) ** 2 * ev.nodes_per_record / 2
+    if isinstance(ev, TreeAggregation):  # nodes·ρ(node): exact in the node count, not via √nodes
+        return gaussian_zcdp(ev.sensitivity, ev.std) * ev.nodes_per_record
     if isinstance(ev, Gaussian):
-        return math.inf if ev.std == 0 else (ev.sensitivity / ev.std) ** 2 / 2  # no overflow for huge σ
+        return gaussian_zcdp(ev.sensitivity, ev.std)
     if isinstance(ev, (PoissonSampled, SampledWithoutReplacement)):
         return zcdp_rho(ev.event)
     if isinstance(ev, ZCDP):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
 
 from dpregistry import Charge, Sampler, StageParams, UserError
-from dpregistry.privacy.events import NonPrivate, PoissonSampled, SampledWithoutReplacement
+from dpregistry.privacy.events import NonPrivate, PoissonSampled, PrivacyEvent, SampledWithoutReplacement
 
 
 class PoissonParams(StageParams):
@@ -37,8 +38,9 @@ class PoissonSampler(Sampler):
                             key="sampler.batch_size")
 
     def indices(self, step, run):
-        # Sampling is global (every rank draws the same mask), so q is the true rate.
-        g = run.rng.generator("poisson", step)
+        # Sampling is global (every rank draws the same mask), so q is the true rate; the mask is
+        # as secret as the noise, since the amplification by sampling assumes it is hidden.
+        g = run.sampling_generator("poisson", step)
         return (torch.rand(self.n, generator=g) < self.q).nonzero().squeeze(1)
 
     def expected_batch_size(self, run):
@@ -59,7 +61,8 @@ class ShuffleSampler(Sampler):
     """Shuffled fixed-size batches, a fresh permutation each epoch (the last partial batch is dropped).
 
     ``accounting: exact`` uses parallel composition inside an epoch (every record is in exactly one
-    batch), so each epoch costs one unamplified release, charged at the epoch's first step.
+    batch), so each epoch costs one unamplified release, charged at the epoch's first step; a later
+    step whose release that charge does not cover (another mechanism) is charged as well.
     """
 
     name = "shuffle"
@@ -77,6 +80,10 @@ class ShuffleSampler(Sampler):
         if run.algorithm.adaptive and self.cfg.accounting == "exact":
             raise UserError("shuffle sampling with exact accounting needs the same mechanism at every step; "
                             "use the poisson sampler for adaptive algorithms", key="sampler")
+        if run.relation != "replace_one" and self.cfg.accounting == "exact":
+            # A neighbour must change one batch of the epoch; adding a record re-cuts every batch.
+            raise UserError("shuffle sampling with exact accounting is analysed under replace-one neighbours "
+                            "(privacy.relation: replace_one); use the poisson sampler for add/remove", key="sampler")
 
     def indices(self, step, run):
         epoch, j = divmod(step, self.per_epoch)
@@ -92,9 +99,27 @@ class ShuffleSampler(Sampler):
         if self.cfg.accounting == "poisson_heuristic":
             q = self.B / self.n
             return [Charge(e if isinstance(e, NonPrivate) else PoissonSampled(q, e)) for e in events]
-        if step % self.per_epoch == 0:
+        start = step - step % self.per_epoch
+        if step == start:
             return [Charge(e) for e in events]
-        return []  # covered by the charge at the epoch's first step
+        if step != run.step:
+            return []  # a later step of a plan: assumed to release what the epoch's first step did
+        # A record of this batch suffers this step's release: parallel composition covers it only
+        # if the epoch's first step charged it; charge the rest (sequential composition, valid).
+        missing = Counter(events) - self._charged_at(start, run)
+        return [Charge(e, count=n) for e, n in missing.items()]
+
+    @staticmethod
+    def _charged_at(step, run) -> Counter:
+        """Unpartitioned events the ledger charged at ``step`` (an entry spanning several steps
+        counts its per-step share, rounded down)."""
+        out: Counter = Counter()
+        for e in run.accountant.ledger.entries:
+            if e["partition"] is None and e["first_step"] <= step <= e["last_step"]:
+                share = e["count"] // (e["last_step"] - e["first_step"] + 1)
+                if share:
+                    out[PrivacyEvent.from_dict(e["event"])] += share
+        return out
 
 
 class UniformParams(StageParams):
@@ -120,7 +145,7 @@ class UniformSampler(Sampler):
                             "(privacy.relation: replace_one); use the poisson sampler for add/remove", key="sampler")
 
     def indices(self, step, run):
-        return torch.randperm(self.n, generator=run.rng.generator("uniform", step))[:self.B]
+        return torch.randperm(self.n, generator=run.sampling_generator("uniform", step))[:self.B]
 
     def expected_batch_size(self, run):
         return float(self.B)
