@@ -49,6 +49,40 @@ def start_away_from_zero(run, seed=1):
 
 
 # ------------------------------------------------------------------------------------------
+# §8 C: direction sampler
+# ------------------------------------------------------------------------------------------
+
+
+def test_direction_moments_monte_carlo():
+    """§8 C (Lemma C.1), d = 10, 20,000 seeds: ‖u‖ = √d on the sphere, E[uuᵀ] = I,
+    E[u_i⁴] = 3d/(d+2), E[u_i²u_j²] = d/(d+2), E[(uᵀa)²] = ‖a‖², the tail bound; Gaussian E‖u‖² = d."""
+    d, N = 10, 20_000
+    x = torch.zeros(d, dtype=torch.float64)
+    U = torch.stack([Direction(1000 + k, "sphere").dense([x])[0] for k in range(N)])
+    assert torch.allclose(U.norm(dim=1), torch.full((N,), math.sqrt(d), dtype=torch.float64), rtol=1e-6)
+    assert float(((U.T @ U) / N - torch.eye(d, dtype=torch.float64)).abs().max()) < 0.04
+    sq = U.pow(2)
+    assert float(sq.pow(2).mean()) == pytest.approx(3 * d / (d + 2), rel=0.03)                  # 2.5
+    cross = (sq.T @ sq / N)[~torch.eye(d, dtype=torch.bool)]
+    assert float(cross.mean()) == pytest.approx(d / (d + 2), rel=0.02)                          # 0.8333
+    a = torch.linspace(-1.0, 2.0, d, dtype=torch.float64)
+    proj = U @ a
+    assert float(proj.pow(2).mean()) == pytest.approx(float(a.pow(2).sum()), rel=0.03)
+    for C in (1.0, 3.0, 6.0, 9.0):
+        bound = 2 * math.sqrt(2 * math.pi) * math.exp(-C ** 2 / (8 * float(a.pow(2).sum())))
+        assert float((proj.abs() >= C).double().mean()) <= bound
+    G = torch.stack([Direction(1000 + k, "gaussian").dense([x])[0] for k in range(N)])
+    assert float(G.pow(2).sum(1).mean()) == pytest.approx(d, rel=0.02)
+    # the same seed regenerates u bit for bit, tensor by tensor in the same order
+    parts = [torch.zeros(3, 4, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)]
+    u1, u2 = Direction(7, "sphere").dense(parts), Direction(7, "sphere").dense(parts)
+    assert all(torch.equal(p, q) for p, q in zip(u1, u2))
+    moved = [torch.zeros_like(p) for p in parts]
+    Direction(7, "sphere").add_(moved, 1.0)
+    assert all(torch.equal(p, q) for p, q in zip(moved, u1))
+
+
+# ------------------------------------------------------------------------------------------
 # §8 D: estimator
 # ------------------------------------------------------------------------------------------
 

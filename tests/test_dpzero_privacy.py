@@ -66,6 +66,39 @@ def test_lemma_2_2_upper_bounds_the_tight_pld(T, m):
     assert pld <= kov
 
 
+def _exact_gaussian_delta(epsilon, mu):
+    """δ(ε) of μ-GDP (Balle & Wang 2018), which T Gaussian steps at σ/Δ = m compose to exactly,
+    μ = √T/m (Dong, Roth & Su 2019), also adaptively."""
+    from scipy.stats import norm
+
+    return float(norm.cdf(-epsilon / mu + mu / 2) - math.exp(epsilon + norm.logcdf(-epsilon / mu - mu / 2)))
+
+
+@pytest.mark.parametrize("T,eps,delta", [(100, 300.0, 1e-5), (1000, 250.0, 1e-5), (1, 1000.0, 1e-6)])
+def test_lemma_2_2_as_printed_fails_for_large_epsilon_and_is_never_certified(T, eps, delta):
+    """Lemma 2.2's σ does not give (ε, δ)-DP for large ε (its μ = ε/(2√(2·log(e+ε/δ))) grows
+    linearly in ε). The tight PLD accounting and the exact Gaussian composition both say so;
+    the accountant must never certify such an (ε, δ) (nor report an ε below the true one)."""
+    from dpreg_accounting.accountants import PldAccountant
+
+    m = kov_noise_multiplier(T, eps, delta)
+    mu = math.sqrt(T) / m
+    assert _exact_gaussian_delta(eps, mu) > 10 * delta          # the Lemma's noise is not enough
+    plan = [Charge(Gaussian(std=2 * m, sensitivity=2.0), count=T)]
+    acc = _acc(KovAdvancedComposition, epsilon=eps, delta=delta)
+    assert not acc.fits(plan)
+    reported = acc.epsilon(extra=plan)
+    assert _exact_gaussian_delta(reported, mu) <= delta * (1 + 1e-6)
+    assert kov_delta(m, T, eps) >= _exact_gaussian_delta(eps, mu)
+    if T == 100:  # an independent tight accountant (dp-accounting's PLD) agrees
+        pld = _acc(PldAccountant).epsilon(delta=delta, extra=plan)
+        assert pld > 1.3 * eps
+        assert reported == pytest.approx(pld, rel=0.01)
+    # calibrating to such a budget adds enough noise for the exact bound (std = z·C, Δ = 2C)
+    z = acc.calibrate(lambda z: [Charge(Gaussian(std=z, sensitivity=2.0), count=T)])
+    assert _exact_gaussian_delta(eps, math.sqrt(T) / (z / 2)) <= delta * (1 + 1e-6)
+
+
 def test_kov_accountant_composes_conservatively():
     acc = _acc(KovAdvancedComposition, epsilon=2.0)
     m = kov_noise_multiplier(100, 2.0, 1e-6)

@@ -206,6 +206,38 @@ def test_projected_per_example_gradients_equal_projected_full_gradients(T):
         torch.testing.assert_close(big.aggregate.tensors[k], v.sum(0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+def test_half_precision_model_projects_and_clips_in_fp32(dtype, tol):
+    """fp16/bf16 parameters (spec §5 "Precision": norms and noise in fp32): R_i = Pᵀ·G_i of the
+    half model's own per-example gradients, every tensor the privatizer sees is fp32, and each
+    clipped example's norm (over R ∪ U, from the per-example tensors) stays within C."""
+    torch.manual_seed(4)
+    model = Seq().to(dtype)
+    ids, y = torch.randint(1, 20, (5, 9)), torch.randint(0, 3, (5,))
+    data = FixedData(model, ids, y, loss=lambda o, t, reduction: F.cross_entropy(o.float(), t, reduction=reduction))
+    est, run = estimator(model, data, rank=6)
+    c = next(est.contributions(data, torch.arange(5), run))
+    ref = per_example_reference(model, data.losses(torch.arange(5)))
+    got = {local[k]: v for h, local, uses in c.records for k, v in h.per_example(uses[0]).items()}
+    assert set(est.current) == {"up.weight", "down.weight"}
+    for k, G in ref.items():
+        G = G.float()
+        pr = est.current.get(k)
+        if pr is not None:
+            P = pr.matrix(dtype=torch.float32)
+            G = P.T @ G if pr.side == "left" else G @ P
+        assert got[k].dtype == torch.float32
+        assert float((got[k] - G).abs().max()) <= tol * float(G.abs().max()), k
+    norms = c.norms()
+    assert norms.dtype == torch.float32
+    C = float(norms.median())
+    total = clip_and_sum(c, C)
+    assert all(t.dtype == torch.float32 for t in total.aggregate.tensors.values())
+    w = (C / norms).clamp(max=1)
+    clipped = torch.sqrt(sum((v * w.view(-1, *[1] * (v.dim() - 1))).flatten(1).pow(2).sum(1) for v in got.values()))
+    assert torch.all(clipped <= C * (1 + 1e-5))
+
+
 # ------------------------------------------------------------------------------------------
 # §7.5 projection statistics
 # ------------------------------------------------------------------------------------------

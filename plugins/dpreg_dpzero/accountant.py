@@ -17,6 +17,12 @@ its (ε₀, δ₀) holds for every step; valid and conservative — spec §7 cou
 different noise are all charged at the smallest multiplier (a Gaussian with more noise is
 post-processing of one with less), so the bound stays valid for mixed plans. It is not a privacy
 filter: advanced composition with adaptively chosen parameters needs other bounds.
+
+Lemma 2.2 as printed ("for any ε > 0") is false for large ε: its σ/Δ makes T steps exactly
+μ-GDP with μ = ε/(2·sqrt(2·log(e + ε/δ))), which grows linearly in ε, so e.g. at ε = 300,
+δ = 1e-5 the true δ is 0.84 (dp-accounting's tight PLD agrees). The accountant therefore never
+certifies more than the exact composition of the same Gaussians allows (μ = sqrt(T)/m, Dong–Roth–Su;
+δ(ε) of Balle–Wang): wherever the Lemma holds (every setting of the paper) nothing changes.
 """
 
 from __future__ import annotations
@@ -45,11 +51,44 @@ def kov_sigma(clip: float, n: int, steps: float, epsilon: float, delta: float) -
     return (2.0 * clip / n) * kov_noise_multiplier(steps, epsilon, delta)
 
 
+def gaussian_composition_delta(noise_multiplier: float, steps: float, epsilon: float) -> float:
+    """The exact δ(ε) of T composed Gaussian mechanisms at σ/Δ = m: μ-GDP with μ = sqrt(T)/m
+    (Dong, Roth & Su 2019, adaptive composition), δ(ε) = Φ(−ε/μ + μ/2) − e^ε·Φ(−ε/μ − μ/2)
+    (Balle & Wang 2018). Used only to keep Lemma 2.2 from certifying where it is false."""
+    from scipy.special import log_ndtr, ndtr
+
+    if steps == 0:
+        return 0.0
+    if noise_multiplier <= 0:
+        return 1.0
+    mu = math.sqrt(steps) / noise_multiplier
+    a, b = -epsilon / mu + mu / 2, -epsilon / mu - mu / 2
+    second = math.exp(min(epsilon + float(log_ndtr(b)), 700.0))
+    return min(1.0, max(0.0, float(ndtr(a)) - second))
+
+
+def _smallest_certified(certified, start: float = 1.0) -> float:
+    """The smallest ε ≥ 0 with ``certified(ε)`` for a monotone test (bisection; the upper end)."""
+    lo, hi = 0.0, start
+    while not certified(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1e300:
+            return math.inf
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if not certified(mid) else (lo, mid)
+    return hi
+
+
 def kov_epsilon(noise_multiplier: float, steps: float, delta: float) -> float:
-    """The smallest ε that Lemma 2.2 certifies for T steps at σ/Δ = ``noise_multiplier``.
+    """The smallest ε that Lemma 2.2 certifies for T steps at σ/Δ = ``noise_multiplier``, and
+    that the exact Gaussian composition confirms (see the module docstring).
 
     h(ε) = m·ε − 2·sqrt(2T·log(e + ε/δ)) is convex with h(0) < 0, so it has one positive root;
-    every ε at or above the root is certified. Bisection returns the upper end of the bracket.
+    every ε at or above the root passes the Lemma. The exact δ(ε) decreases in ε, so the set of
+    confirmed ε is an interval [ε*, ∞) too: the answer is the larger of the two left ends.
     """
     m = noise_multiplier
     if m <= 0:
@@ -60,31 +99,25 @@ def kov_epsilon(noise_multiplier: float, steps: float, delta: float) -> float:
     def h(eps):
         return m * eps - 2.0 * math.sqrt(2.0 * steps * log_term(eps, delta))
 
-    lo, hi = 0.0, 1.0
-    while h(hi) <= 0:
-        lo, hi = hi, hi * 2
-        if hi > 1e300:
-            return math.inf
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if mid in (lo, hi):
-            break
-        lo, hi = (mid, hi) if h(mid) <= 0 else (lo, mid)
-    return hi
+    lemma = _smallest_certified(lambda eps: h(eps) > 0)
+    exact = _smallest_certified(lambda eps: gaussian_composition_delta(m, steps, eps) <= delta)
+    return max(lemma, exact)
 
 
 def kov_delta(noise_multiplier: float, steps: float, epsilon: float) -> float:
-    """The δ at which Lemma 2.2 certifies ε: log(e + ε/δ) = (mε)²/(8T)  ⇒  δ = ε/(exp(·) − e)."""
+    """The δ at which Lemma 2.2 certifies ε: log(e + ε/δ) = (mε)²/(8T)  ⇒  δ = ε/(exp(·) − e);
+    never below the exact δ(ε) of the same Gaussians (see the module docstring)."""
     m = noise_multiplier
     if m <= 0:
         return 1.0
     if steps == 0:
         return 0.0
+    exact = gaussian_composition_delta(m, steps, epsilon)
     x = (m * epsilon) ** 2 / (8.0 * steps)
     if x > 700:
-        return 0.0
+        return exact
     excess = math.exp(x) - math.e
-    return 1.0 if excess <= 0 else min(1.0, epsilon / excess)
+    return 1.0 if excess <= 0 else max(exact, min(1.0, epsilon / excess))
 
 
 def _flatten(ev: PrivacyEvent, n: int):
@@ -138,7 +171,9 @@ class KovAdvancedComposition(Accountant):
         b = self.budget
         if b.epsilon is None or b.delta is None:
             raise UserError("kov_advanced_composition needs privacy.epsilon and privacy.delta")
-        return all(t == 0 or m >= kov_noise_multiplier(t, b.epsilon, b.delta) for t, m in self._partitions(groups))
+        return all(t == 0 or (m >= kov_noise_multiplier(t, b.epsilon, b.delta)
+                              and gaussian_composition_delta(m, t, b.epsilon) <= b.delta)
+                   for t, m in self._partitions(groups))
 
     def calibrate(self, plan, **kw):
         """The closed form: z such that the smallest σ/Δ of the plan equals Lemma 2.2's.
