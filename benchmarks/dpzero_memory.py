@@ -172,6 +172,12 @@ def child(args) -> dict:
             "tokens": sum(len(obj.train_tok[i][0]) for i in idx.tolist())}
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="opt-125m")
@@ -206,8 +212,11 @@ def main(argv=None):
     print(f"DPZero step peak ÷ inference forward peak : {z['peak_bytes'] / f['peak_bytes']:.3f}   (target ≤ 1.10)")
     print(f"DPZero step time ÷ (2 × forward time)      : {z['seconds'] / (2 * z['forward_seconds']):.3f}   "
           f"(target ≤ 1.15; forward timed interleaved with the steps, medians of {args.repeats})")
+    limit = 2 * z["forward_seconds"] + 3 * z["sweep_seconds"]
     print(f"  (one parameter sweep ÷ one forward: {z['sweep_seconds'] / z['forward_seconds']:.3f}; a step is two "
           f"forwards and three sweeps)")
+    print(f"DPZero step time ÷ (2 forwards + 3 sweeps)  : {z['seconds'] / limit:.3f}   (1.0 is the physical limit of "
+          f"the algorithm; a sweep is Gaussian draws, {torch_threads()} threads)")
     if "dp_adam" in results:
         a = results["dp_adam"]
         print(f"DPZero step peak ÷ DP-Adam step peak       : {z['peak_bytes'] / a['peak_bytes']:.3f}   "

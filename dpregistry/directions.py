@@ -4,24 +4,62 @@ A :class:`Direction` is all a replica or a log needs to reproduce u: a public se
 distribution and the list of tensors it spans. u is drawn tensor by tensor, in fixed chunks, in
 each tensor's own dtype, so that perturbing a parameter costs one chunk of scratch memory and the
 same seed always gives the same u (DPZero §2.4, "seed trick").
+
+Every chunk has its own generator, seeded from (seed, tensor, chunk). Drawing Gaussians is the
+cost of a zeroth-order step's parameter sweeps on a CPU (torch's CPU generator is sequential), so
+independent chunks let a sweep use every core; the draws do not depend on the number of threads.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
-CHUNK = 1 << 20  # elements drawn per call; fixed, so that regeneration is bit-identical
+from .rng import derive
+
+CHUNK = 1 << 20  # elements per chunk (and per generator); fixed, so that regeneration is bit-identical
 DISTRIBUTIONS = ("gaussian", "sphere")
+
+_pool: ThreadPoolExecutor | None = None
+_scratch = threading.local()  # one reused chunk buffer per thread and dtype: a sweep allocates nothing
+
+
+def _forget_pool() -> None:  # a forked child has none of its parent's threads
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _chunks(t: torch.Tensor):
     flat = t.view(-1)
     for start in range(0, flat.numel(), CHUNK):
         yield flat[start:start + CHUNK]
+
+
+def _map(fn: Callable, tensors: list[torch.Tensor]) -> list:
+    """[fn(tensor_index, chunk_index, chunk)] over every chunk, in order. On a CPU the chunks run
+    on a thread pool (torch releases the GIL in its kernels); on an accelerator, in order."""
+    global _pool
+    items = [(i, j, c) for i, t in enumerate(tensors) for j, c in enumerate(_chunks(t))]
+
+    def run(item):
+        with torch.no_grad():  # grad mode is per thread; u is never part of a graph
+            return fn(*item)
+
+    threads = torch.get_num_threads()
+    if threads <= 1 or len(items) <= 1 or any(t.device.type != "cpu" for t in tensors):
+        return [run(it) for it in items]
+    if _pool is None or _pool._max_workers != threads:
+        _pool = ThreadPoolExecutor(threads, thread_name_prefix="dpreg-directions")
+    return list(_pool.map(run, items))
 
 
 @dataclass(frozen=True)
@@ -31,10 +69,15 @@ class Direction:
     seed: int
     distribution: str = "gaussian"
 
-    def _generator(self, device) -> torch.Generator:
-        g = torch.Generator(device=device)
-        g.manual_seed(self.seed)
-        return g
+    def _draw(self, tensor_index: int, chunk_index: int, like: torch.Tensor) -> torch.Tensor:
+        """This chunk's z, in a scratch buffer of the calling thread (valid until its next draw)."""
+        g = torch.Generator(device=like.device)
+        g.manual_seed(derive("dpregistry-direction", self.seed, tensor_index, chunk_index))
+        buffers = _scratch.__dict__.setdefault("buffers", {})
+        key = (like.dtype, like.device)
+        if key not in buffers:
+            buffers[key] = torch.empty(CHUNK, dtype=like.dtype, device=like.device)
+        return buffers[key][:like.numel()].view(like.shape).normal_(generator=g)
 
     def _scale(self, tensors: list[torch.Tensor]) -> float:
         if self.distribution == "gaussian":
@@ -42,50 +85,31 @@ class Direction:
         if self.distribution != "sphere":
             raise ValueError(f"unknown direction distribution {self.distribution!r}")
         # Sphere: one extra regeneration pass for ‖z‖ (DPZero spec §6, note on the sphere).
-        sq, d = 0.0, 0
-        for z in self._draws(tensors):
-            sq += float(z.double().pow(2).sum())
-            d += z.numel()
-        return math.sqrt(d / sq)
+        sq = _map(lambda i, j, c: float(self._draw(i, j, c).double().pow(2).sum()), tensors)
+        return math.sqrt(sum(t.numel() for t in tensors) / math.fsum(sq))
 
-    def _draws(self, tensors: list[torch.Tensor]):
-        g = None
-        for t in tensors:
-            if g is None:
-                g = self._generator(t.device)
-            for chunk in _chunks(t):
-                yield torch.randn(chunk.shape, generator=g, device=t.device, dtype=t.dtype)
-
-    @torch.no_grad()
     def add_(self, tensors: Iterable[torch.Tensor], scale: float) -> None:
         """t += scale·u, chunk by chunk, in place."""
         tensors = list(tensors)
         s = scale * self._scale(tensors)
-        draws = self._draws(tensors)
-        for t in tensors:
-            for chunk in _chunks(t):
-                chunk.add_(next(draws), alpha=s)
+        _map(lambda i, j, c: c.add_(self._draw(i, j, c), alpha=s), tensors)
 
-    @torch.no_grad()
     def dense(self, tensors: Iterable[torch.Tensor], dtype=None) -> list[torch.Tensor]:
         """Materialise u in the shapes of ``tensors`` (costs d memory: tests and dense lifts only)."""
         tensors = list(tensors)
         s = self._scale(tensors)
-        out = [torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for t in tensors]
-        draws = self._draws(tensors)
-        for o in out:
-            for chunk in _chunks(o):
-                chunk.copy_(next(draws)).mul_(s)
-        return out
+        out = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        _map(lambda i, j, c: c.copy_(self._draw(i, j, c)).mul_(s), out)
+        return [o.to(dtype) if dtype is not None else o for o in out]
 
-    @torch.no_grad()
     def dot(self, tensors: Iterable[torch.Tensor], others: Mapping[int, torch.Tensor] | list) -> float:
         """⟨u, v⟩ for v given in the shapes of ``tensors`` (fp64 accumulation)."""
         tensors = list(tensors)
         s = self._scale(tensors)
-        total = 0.0
-        draws = self._draws(tensors)
-        for t, v in zip(tensors, others):
-            for vc in _chunks(v.contiguous()):
-                total += float((next(draws).double() * vc.double()).sum())
-        return total * s
+        flat = [v.contiguous().view(-1) for v in others]
+
+        def term(i, j, c):
+            v = flat[i][j * CHUNK:j * CHUNK + c.numel()]
+            return float((self._draw(i, j, c).double() * v.double()).sum())
+
+        return math.fsum(_map(term, tensors)) * s

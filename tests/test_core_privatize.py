@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from conftest import make_run
@@ -168,3 +169,29 @@ def test_hook_gradients_match_torch_func_per_example_gradients():
     agg = c.weighted_sum(w)
     for k, g in ref.items():
         assert torch.allclose(agg.tensors[k], torch.einsum("b,b...->...", w, g), rtol=1e-9, atol=1e-12), k
+
+
+@pytest.mark.parametrize("distribution", ["gaussian", "sphere"])
+def test_directions_do_not_depend_on_the_thread_count(distribution):
+    """A sweep draws its chunks on a thread pool; u must be the same bits with one thread, and
+    add_ (the in-place sweep), dense and dot must all see that one u."""
+    from dpregistry import directions
+
+    shapes = [(3, directions.CHUNK // 3 + 7), (directions.CHUNK + 5,), (4,)]  # several chunks, a partial one
+    d = Direction(seed=11, distribution=distribution)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = d.dense([torch.zeros(s) for s in shapes])
+        torch.set_num_threads(2)
+        threaded = d.dense([torch.zeros(s) for s in shapes])
+        swept = [torch.zeros(s) for s in shapes]
+        d.add_(swept, 2.0)
+        v = [torch.randn(s, generator=torch.Generator().manual_seed(3)) for s in shapes]
+        dot = d.dot([torch.zeros(s) for s in shapes], v)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(serial, threaded))
+    assert all(torch.equal(2.0 * a, b) for a, b in zip(serial, swept))
+    expect = sum(float((a.double() * b.double()).sum()) for a, b in zip(serial, v))
+    assert math.isclose(dot, expect, rel_tol=1e-6)  # dense rounds sqrt(d)/‖z‖·z to fp32
