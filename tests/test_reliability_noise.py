@@ -14,7 +14,6 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import make_run, write_recipe
 from dpregistry import checkpoint as ckpt
