@@ -377,6 +377,17 @@ class _Tap(torch.autograd.Function):
         return g, None, None
 
 
+def _row_sketch(t: torch.Tensor, k: int = 4) -> torch.Tensor:
+    """Each output row of ``t`` ([B, ..., H]) projected onto k fixed random directions: the layout
+    check keeps B·rows·k numbers per layer, not a copy of every backprop. A row that belongs to
+    another example than its position says differs from the probe by a multiple of itself, so
+    the check's ratio is the same in every projection."""
+    rows = t.reshape(t.shape[0], -1, t.shape[-1] if t.dim() > 1 else 1).to(acc_dtype(t.dtype))
+    g = torch.Generator().manual_seed(rows.shape[-1])
+    R = torch.randn(rows.shape[-1], k, generator=g, dtype=rows.dtype).to(rows.device)
+    return rows @ R
+
+
 class GradSampler:
     """Hooks a module's layers that own trainable parameters; ``capture()`` wraps one forward pass.
 
@@ -463,7 +474,7 @@ class GradSampler:
         def on_backprop(g, use=use, h=h, fold=fold):
             g = g.reshape(B, fold, *g.shape[1:]) if fold > 1 else g
             if self._probes is not None and self._signs is None:  # the probe pass: keep the backprop only
-                self._probes[id(use)] = g.detach().clone()
+                self._probes[id(use)] = _row_sketch(g.detach())
                 return
             if self._probes is not None:
                 self._check_layout(use, g)
@@ -514,9 +525,7 @@ class GradSampler:
         p = self._probes.get(id(use))
         if p is None:
             return
-        B = g.shape[0]
-        rows = lambda t: t.reshape(B, -1, t.shape[-1] if t.dim() > 1 else 1).to(acc_dtype(t.dtype))  # noqa: E731
-        gr, pr = rows(g), rows(p)
+        gr, pr = _row_sketch(g), p
         s = self._signs.to(gr.dtype).view(-1, 1, 1)
         err = torch.linalg.vector_norm(s * pr - gr, dim=-1)
         size = torch.linalg.vector_norm(gr, dim=-1)
