@@ -194,3 +194,17 @@ def test_nonsmooth_oracles_on_two_processes_equal_one(tmp_path):
     a, b = model(tmp_path / "o1"), model(tmp_path / "o2")
     assert all(torch.allclose(a[k], b[k], atol=1e-9, rtol=1e-9) for k in a)
     assert summary(tmp_path / "o1")["rho"] == summary(tmp_path / "o2")["rho"]
+
+
+def test_a_rank_without_examples_gathers_in_the_dtype_of_the_others(tmp_path):
+    """A batch no larger than one micro-batch leaves rank 1 without a chunk: its empty values must
+    have the other rank's dtype (fp64 here), or the all-gather of the per-example scalars breaks."""
+    recipe = tmp_path / "q.yaml"
+    recipe.write_text(ZO.replace("{name: tabular, model: {kind: mlp, hidden: [16]}, data: {dataset: wine}}",
+                                 "{name: quadratic, dim: 8, n: 500, n_test: 50}")
+                      .replace("micro_batch_size: 8", "micro_batch_size: 64").replace("steps: 20", "steps: 4"))
+    for n in (1, 2):
+        res = dpreg("run", recipe, "--out", tmp_path / f"q{n}", "-q", nproc=n)
+        assert res.returncode == 0, res.stderr[-3000:]
+    a, b = model(tmp_path / "q1"), model(tmp_path / "q2")
+    assert a["x"].dtype == torch.float64 and all(torch.equal(a[k], b[k]) for k in a)
