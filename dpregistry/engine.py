@@ -285,7 +285,14 @@ class Run:
         tau = self._random_iterate_step()
         with self._signals():
             while not self.algorithm.done(self):
-                if self.stop_reason:
+                # Ranks vote before every step: one that stopped alone (a signal during a checkpoint
+                # write, after the last vote) would leave the others inside a collective.
+                stop = self.stop_reason is not None
+                if self.comm.world_size > 1:
+                    stop = self.comm.any_flag(stop)
+                    if stop and not self.stop_reason:
+                        self.stop_reason = f"stopped at step {self.step}: another rank was stopped"
+                if stop:
                     break
                 if tau is not None and self.step == tau:
                     self._iterate_snapshot = {k: v.detach().clone() for k, v in self.params.items()}
@@ -330,10 +337,6 @@ class Run:
                     self._append_metrics(row)
                 if progress:
                     progress(self, result.metrics)
-                if self.comm.world_size > 1 and self.comm.any_flag(self.stop_reason is not None) \
-                        and not self.stop_reason:
-                    # A signal reached another rank: every rank stops after the same step.
-                    self.stop_reason = f"stopped at step {self.step}: another rank was stopped"
                 sc = self.recipe.train.sync_check_every
                 if self.comm.world_size > 1 and sc and (self.step % sc == 0 or last):
                     self.comm.check_replicas(self.params, self.step)

@@ -208,3 +208,46 @@ def test_a_rank_without_examples_gathers_in_the_dtype_of_the_others(tmp_path):
         assert res.returncode == 0, res.stderr[-3000:]
     a, b = model(tmp_path / "q1"), model(tmp_path / "q2")
     assert a["x"].dtype == torch.float64 and all(torch.equal(a[k], b[k]) for k in a)
+
+
+SIGNAL_RANK0_IN_CHECKPOINT = """\
+import os, signal, sys
+from dpregistry import cli, engine
+
+save = engine.Run.save_checkpoint
+
+def save_then_signal(run):
+    path = save(run)
+    if run.comm.rank == 0 and run.step == 5 and not run.stop_reason:
+        os.kill(os.getpid(), signal.SIGTERM)  # reaches rank 0 alone, after the step's stop vote
+    return path
+
+engine.Run.save_checkpoint = save_then_signal
+sys.argv = ["dpreg", *sys.argv[1:]]
+cli.main()
+"""
+
+
+def test_a_signal_to_one_rank_during_a_checkpoint_stops_every_rank_after_the_same_step(runs, tmp_path):
+    """Ranks decide together whether to take another step: one that stopped alone would leave the
+    others inside a collective (a hang or a crash instead of a clean stop)."""
+    root, out = runs
+    script = tmp_path / "signal_rank0.py"
+    script.write_text(SIGNAL_RANK0_IN_CHECKPOINT)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           "run", str(out["zo"]), "--out", str(run_dir), "-q"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the ranks too
+        proc.communicate()
+        raise
+    assert "lost contact" not in stderr, stderr[-3000:]
+    assert summary(run_dir)["step"] == 5 and "SIGTERM" in summary(run_dir)["stopped"]
+    assert ckpt.latest_valid(run_dir / "checkpoints")[1]["step"] == 5
+    assert dpreg("resume", run_dir, "-q", nproc=2).returncode == 0
+    a, b = model(out["zo", 1]), model(run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
