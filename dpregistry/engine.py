@@ -146,12 +146,20 @@ class Run:
         return self
 
     def _check_ranks_share_the_noise_key(self) -> None:
-        """Keyed noise and batches derive from DPREG_NOISE_KEY on every rank: a rank with another key
+        """Ranks resolve one recipe (checked first) and share the noise key. Keyed noise and batches
+        derive from DPREG_NOISE_KEY on every rank: a rank with another key
         (or none) would add other noise and cut its shard from another batch (a record summed twice)."""
         if self.comm.world_size == 1:
             return
-        mine = (self.rng.noise_mode, self.rng.noise_fingerprint)
-        differs = self.comm.broadcast_object(mine) != mine
+        # Each rank loads the recipe itself (on several nodes, from its own copy): a rank with another
+        # clip would add an unaccounted-for sum to the all-reduce, and the ranks would not even drift.
+        mine = (self.recipe.hash, self.rng.noise_mode, self.rng.noise_fingerprint)
+        first = self.comm.broadcast_object(mine)
+        if self.comm.any_flag(first[0] != mine[0]):
+            raise UserError(f"the ranks resolved different recipes (rank {self.comm.rank}: "
+                            f"{'another recipe' if first[0] != mine[0] else 'as rank 0'}); give every rank the same "
+                            f"recipe file and --set options", file=self.recipe.source)
+        differs = first != mine
         if self.comm.any_flag(differs):
             raise UserError(f"the ranks do not share one DPREG_NOISE_KEY (rank {self.comm.rank}: "
                             f"{'a different key' if differs else 'as rank 0'}); give every rank the same key")

@@ -324,3 +324,32 @@ def test_ranks_with_different_noise_keys_are_refused(tmp_path, monkeypatch):
     monkeypatch.delenv(NOISE_KEY_ENV)
     with pytest.raises(UserError, match="DPREG_NOISE_KEY"):
         Run(recipe, None, comm=TwoRanks(1)).prepare()
+
+
+def test_ranks_with_different_recipes_are_refused(tmp_path):
+    """Every rank loads the recipe itself (on several nodes, from its own file): a rank with a larger
+    clip would add a larger clipped sum to the all-reduce, unaccounted for, and since every rank
+    applies the same reduced update, the parameter checksums would never show it."""
+    from dpregistry.engine import LocalComm, Run
+    from dpregistry.recipe import load
+    from conftest import write_recipe
+
+    channel = {}
+
+    class TwoRanks(LocalComm):
+        world_size = 2
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        def broadcast_object(self, obj, src=0):
+            if self.rank == src:
+                channel["obj"] = obj
+            return channel["obj"]
+
+    recipe = load(write_recipe(tmp_path, dp_sgd()))
+    Run(recipe, None, comm=TwoRanks(0)).prepare()
+    Run(recipe, None, comm=TwoRanks(1)).prepare()  # the same recipe: fine
+    other = load(write_recipe(tmp_path, dp_sgd(), name="other.yaml"), ["privatizer.clip=100"])
+    with pytest.raises(UserError, match="recipe"):
+        Run(other, None, comm=TwoRanks(1)).prepare()
