@@ -509,7 +509,7 @@ class Run:
     def truncate_metrics(self) -> None:
         """Drop metric rows logged after the checkpoint a resume starts from, and a row torn by a kill."""
         path = self.out_dir / "metrics.jsonl" if self.out_dir else None
-        if path and path.exists():
+        if path and path.exists() and self.comm.rank == 0:  # rank 0 owns the folder (as for every write)
             keep = [json.dumps(r, default=_json_default) for r in read_rows(path) if r.get("step", 0) <= self.step]
             with self._storage(path):
                 _write_text(path, "".join(r + "\n" for r in keep))

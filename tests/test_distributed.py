@@ -251,3 +251,24 @@ def test_a_signal_to_one_rank_during_a_checkpoint_stops_every_rank_after_the_sam
     assert dpreg("resume", run_dir, "-q", nproc=2).returncode == 0
     a, b = model(out["zo", 1]), model(run_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_only_rank_0_rewrites_the_metrics_on_resume(tmp_path):
+    """A resume truncates metrics.jsonl to the checkpoint's step: on rank 0 only. Another rank's
+    rewrite raced rank 0's removal of stale temporary files (its temporary file vanished and it
+    stopped with a storage error) and, on several nodes, wrote into rank 0's folder."""
+    from conftest import make_run
+    from dpregistry.engine import LocalComm, resume_run
+
+    out = tmp_path / "out"
+    make_run(FO.replace("steps: 20", "steps: 10"), tmp_path, out=out).train()
+    for s, p in ckpt.list_checkpoints(out / "checkpoints"):
+        if s > 5:
+            p.unlink()
+    before = (out / "metrics.jsonl").stat().st_ino
+
+    class Rank1(LocalComm):
+        rank = 1
+
+    r = resume_run(out, comm=Rank1(), warn=lambda m: None)
+    assert r.step == 5 and (out / "metrics.jsonl").stat().st_ino == before
