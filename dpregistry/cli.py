@@ -230,11 +230,27 @@ def prepare_out(out: Optional[Path], recipe_path: str, overwrite: bool) -> Path:
             entries = list(out.iterdir())
         except OSError as e:
             raise UserError(f"cannot read the output folder ({e.strerror or e})", file=str(out)) from None
-        if not all(_leftover(p) for p in entries) and not overwrite:
-            hint = "`dpreg resume` it" if (out / "recipe.json").exists() else "choose another folder"
-            raise UserError(f"the output folder is not empty; pass --overwrite to replace what it holds, or {hint}",
-                            file=str(out))
+        _refuse_nonempty(out, entries, overwrite)
     return out
+
+
+def _refuse_nonempty(out: Path, entries: list[Path], overwrite: bool) -> None:
+    if not all(_leftover(p) for p in entries) and not overwrite:
+        hint = "`dpreg resume` it" if (out / "recipe.json").exists() else "choose another folder"
+        raise UserError(f"the output folder is not empty; pass --overwrite to replace what it holds, or {hint}",
+                        file=str(out))
+
+
+def _claim(out: Path, overwrite: bool) -> None:
+    """Under the run lock, check the folder again (another run may have taken it while this one
+    prepared) and only then clear it for --overwrite, keeping the lock file that this run holds."""
+    entries = [p for p in out.iterdir() if p.name != LOCK]
+    _refuse_nonempty(out, entries, overwrite)
+    for p in entries:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def _writable(out: Path) -> None:
@@ -365,10 +381,10 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
         # Everything that can fail on bad input happens before the folder is touched.
         prepared = Run(r, None, comm=comm).prepare()
         if rank0:
-            if out_dir.exists() and overwrite:
-                shutil.rmtree(out_dir)
             _writable(out_dir)
         with run_lock(out_dir) if rank0 else _nothing():
+            if rank0:
+                _claim(out_dir, overwrite)
             run_ = start_run(prepared, out_dir)
             summary = _train(run_, quiet or not rank0)
         _leave(comm)

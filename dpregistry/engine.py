@@ -146,12 +146,20 @@ class Run:
         return self
 
     def _check_ranks_share_the_noise_key(self) -> None:
-        """Keyed noise and batches derive from DPREG_NOISE_KEY on every rank: a rank with another key
+        """Ranks resolve one recipe (checked first) and share the noise key. Keyed noise and batches
+        derive from DPREG_NOISE_KEY on every rank: a rank with another key
         (or none) would add other noise and cut its shard from another batch (a record summed twice)."""
         if self.comm.world_size == 1:
             return
-        mine = (self.rng.noise_mode, self.rng.noise_fingerprint)
-        differs = self.comm.broadcast_object(mine) != mine
+        # Each rank loads the recipe itself (on several nodes, from its own copy): a rank with another
+        # clip would add an unaccounted-for sum to the all-reduce, and the ranks would not even drift.
+        mine = (self.recipe.hash, self.rng.noise_mode, self.rng.noise_fingerprint)
+        first = self.comm.broadcast_object(mine)
+        if self.comm.any_flag(first[0] != mine[0]):
+            raise UserError(f"the ranks resolved different recipes (rank {self.comm.rank}: "
+                            f"{'another recipe' if first[0] != mine[0] else 'as rank 0'}); give every rank the same "
+                            f"recipe file and --set options", file=self.recipe.source)
+        differs = first != mine
         if self.comm.any_flag(differs):
             raise UserError(f"the ranks do not share one DPREG_NOISE_KEY (rank {self.comm.rank}: "
                             f"{'a different key' if differs else 'as rank 0'}); give every rank the same key")
@@ -285,7 +293,14 @@ class Run:
         tau = self._random_iterate_step()
         with self._signals():
             while not self.algorithm.done(self):
-                if self.stop_reason:
+                # Ranks vote before every step: one that stopped alone (a signal during a checkpoint
+                # write, after the last vote) would leave the others inside a collective.
+                stop = self.stop_reason is not None
+                if self.comm.world_size > 1:
+                    stop = self.comm.any_flag(stop)
+                    if stop and not self.stop_reason:
+                        self.stop_reason = f"stopped at step {self.step}: another rank was stopped"
+                if stop:
                     break
                 if tau is not None and self.step == tau:
                     self._iterate_snapshot = {k: v.detach().clone() for k, v in self.params.items()}
@@ -330,10 +345,6 @@ class Run:
                     self._append_metrics(row)
                 if progress:
                     progress(self, result.metrics)
-                if self.comm.world_size > 1 and self.comm.any_flag(self.stop_reason is not None) \
-                        and not self.stop_reason:
-                    # A signal reached another rank: every rank stops after the same step.
-                    self.stop_reason = f"stopped at step {self.step}: another rank was stopped"
                 sc = self.recipe.train.sync_check_every
                 if self.comm.world_size > 1 and sc and (self.step % sc == 0 or last):
                     self.comm.check_replicas(self.params, self.step)
@@ -498,7 +509,7 @@ class Run:
     def truncate_metrics(self) -> None:
         """Drop metric rows logged after the checkpoint a resume starts from, and a row torn by a kill."""
         path = self.out_dir / "metrics.jsonl" if self.out_dir else None
-        if path and path.exists():
+        if path and path.exists() and self.comm.rank == 0:  # rank 0 owns the folder (as for every write)
             keep = [json.dumps(r, default=_json_default) for r in read_rows(path) if r.get("step", 0) <= self.step]
             with self._storage(path):
                 _write_text(path, "".join(r + "\n" for r in keep))

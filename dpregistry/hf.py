@@ -40,7 +40,8 @@ PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
 def require_safetensors_weights(folder: str | Path) -> None:
     """Refuse a model folder whose weights exist only as pickles (``pytorch_model.bin``)."""
     p = Path(folder)
-    if any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists():
+    # The names transformers loads; beside any other *.safetensors (an adapter) it falls back to the pickle.
+    if (p / "model.safetensors").exists() or (p / "model.safetensors.index.json").exists():
         return
     pickles = sorted({f.name for pat in PICKLE_WEIGHTS for f in p.glob(pat)})
     if pickles:

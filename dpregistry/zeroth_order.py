@@ -20,12 +20,17 @@ def central_differences(objective, indices: torch.Tensor, run, u: Direction, lam
     """
     names = tuple(run.params)
     tensors = list(run.params.values())
+    # A rank whose shard is empty still sweeps (x − λu + λu is not x in floating point, so a rank
+    # that skipped the perturbation would drift from the others) and returns values in the dtype
+    # and device of the others' (ranks all-gather them into one tensor).
+    losses = objective.losses if len(indices) else \
+        (lambda _: torch.zeros(0, dtype=acc_dtype(tensors[0].dtype), device=tensors[0].device))
     u.add_(tensors, lam)
     run.displacement = Displacement(u, names, lam)
-    plus = objective.losses(indices)
+    plus = losses(indices)
     u.add_(tensors, -2 * lam)
     run.displacement = Displacement(u, names, -lam)
-    minus = objective.losses(indices)
+    minus = losses(indices)
     dt = acc_dtype(plus.dtype)
     plus, minus = plus.to(dt), minus.to(dt)
     return (plus - minus) / (2 * lam), (plus + minus) / 2

@@ -348,3 +348,32 @@ def test_the_layout_check_keeps_a_sketch_of_each_backprop_not_a_copy(monkeypatch
         losses = model(x).pow(2).sum((1, 2))
     gs.contribution(losses)
     assert len(kept) == 2 and all(sketch == 4 * 8 * 4 and backprop == 4 * 8 * 64 for sketch, backprop in kept)
+
+
+def test_ranks_with_different_recipes_are_refused(tmp_path):
+    """Every rank loads the recipe itself (on several nodes, from its own file): a rank with a larger
+    clip would add a larger clipped sum to the all-reduce, unaccounted for, and since every rank
+    applies the same reduced update, the parameter checksums would never show it."""
+    from dpregistry.engine import LocalComm, Run
+    from dpregistry.recipe import load
+    from conftest import write_recipe
+
+    channel = {}
+
+    class TwoRanks(LocalComm):
+        world_size = 2
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        def broadcast_object(self, obj, src=0):
+            if self.rank == src:
+                channel["obj"] = obj
+            return channel["obj"]
+
+    recipe = load(write_recipe(tmp_path, dp_sgd()))
+    Run(recipe, None, comm=TwoRanks(0)).prepare()
+    Run(recipe, None, comm=TwoRanks(1)).prepare()  # the same recipe: fine
+    other = load(write_recipe(tmp_path, dp_sgd(), name="other.yaml"), ["privatizer.clip=100"])
+    with pytest.raises(UserError, match="recipe"):
+        Run(other, None, comm=TwoRanks(1)).prepare()

@@ -194,3 +194,81 @@ def test_nonsmooth_oracles_on_two_processes_equal_one(tmp_path):
     a, b = model(tmp_path / "o1"), model(tmp_path / "o2")
     assert all(torch.allclose(a[k], b[k], atol=1e-9, rtol=1e-9) for k in a)
     assert summary(tmp_path / "o1")["rho"] == summary(tmp_path / "o2")["rho"]
+
+
+def test_a_rank_without_examples_gathers_in_the_dtype_of_the_others(tmp_path):
+    """A batch no larger than one micro-batch leaves rank 1 without a chunk: its empty values must
+    have the other rank's dtype (fp64 here), or the all-gather of the per-example scalars breaks."""
+    recipe = tmp_path / "q.yaml"
+    recipe.write_text(ZO.replace("{name: tabular, model: {kind: mlp, hidden: [16]}, data: {dataset: wine}}",
+                                 "{name: quadratic, dim: 8, n: 500, n_test: 50}")
+                      .replace("micro_batch_size: 8", "micro_batch_size: 64").replace("steps: 20", "steps: 4"))
+    for n in (1, 2):
+        res = dpreg("run", recipe, "--out", tmp_path / f"q{n}", "-q", nproc=n)
+        assert res.returncode == 0, res.stderr[-3000:]
+    a, b = model(tmp_path / "q1"), model(tmp_path / "q2")
+    assert a["x"].dtype == torch.float64 and all(torch.equal(a[k], b[k]) for k in a)
+
+
+SIGNAL_RANK0_IN_CHECKPOINT = """\
+import os, signal, sys
+from dpregistry import cli, engine
+
+save = engine.Run.save_checkpoint
+
+def save_then_signal(run):
+    path = save(run)
+    if run.comm.rank == 0 and run.step == 5 and not run.stop_reason:
+        os.kill(os.getpid(), signal.SIGTERM)  # reaches rank 0 alone, after the step's stop vote
+    return path
+
+engine.Run.save_checkpoint = save_then_signal
+sys.argv = ["dpreg", *sys.argv[1:]]
+cli.main()
+"""
+
+
+def test_a_signal_to_one_rank_during_a_checkpoint_stops_every_rank_after_the_same_step(runs, tmp_path):
+    """Ranks decide together whether to take another step: one that stopped alone would leave the
+    others inside a collective (a hang or a crash instead of a clean stop)."""
+    root, out = runs
+    script = tmp_path / "signal_rank0.py"
+    script.write_text(SIGNAL_RANK0_IN_CHECKPOINT)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           "run", str(out["zo"]), "--out", str(run_dir), "-q"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the ranks too
+        proc.communicate()
+        raise
+    assert "lost contact" not in stderr, stderr[-3000:]
+    assert summary(run_dir)["step"] == 5 and "SIGTERM" in summary(run_dir)["stopped"]
+    assert ckpt.latest_valid(run_dir / "checkpoints")[1]["step"] == 5
+    assert dpreg("resume", run_dir, "-q", nproc=2).returncode == 0
+    a, b = model(out["zo", 1]), model(run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_only_rank_0_rewrites_the_metrics_on_resume(tmp_path):
+    """A resume truncates metrics.jsonl to the checkpoint's step: on rank 0 only. Another rank's
+    rewrite raced rank 0's removal of stale temporary files (its temporary file vanished and it
+    stopped with a storage error) and, on several nodes, wrote into rank 0's folder."""
+    from conftest import make_run
+    from dpregistry.engine import LocalComm, resume_run
+
+    out = tmp_path / "out"
+    make_run(FO.replace("steps: 20", "steps: 10"), tmp_path, out=out).train()
+    for s, p in ckpt.list_checkpoints(out / "checkpoints"):
+        if s > 5:
+            p.unlink()
+    before = (out / "metrics.jsonl").stat().st_ino
+
+    class Rank1(LocalComm):
+        rank = 1
+
+    r = resume_run(out, comm=Rank1(), warn=lambda m: None)
+    assert r.step == 5 and (out / "metrics.jsonl").stat().st_ino == before

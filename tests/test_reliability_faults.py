@@ -491,6 +491,44 @@ def test_stale_temporary_files_and_lock_files_do_not_block_a_run(reference, tmp_
     assert_same_run(ref_out, out)
 
 
+def test_overwrite_never_deletes_a_run_that_took_the_folder_while_this_one_prepared(tmp_path, monkeypatch, capsys):
+    """`--overwrite` checks the lock before preparing (which can take minutes); a run that took the
+    folder in the meantime must still be refused, not deleted and then written over."""
+    import fcntl
+    import sys
+
+    from dpregistry import cli
+    from dpregistry.engine import Run
+
+    recipe = write_recipe(tmp_path, RECIPE)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old-run").write_text("")
+    held = {}
+    prepare = Run.prepare
+
+    def prepare_while_another_run_starts(run):
+        prepared = prepare(run)
+        fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT)  # what run_lock does in the other process
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, json.dumps({"pid": 4242, "host": os.uname().nodename}).encode())
+        (out / "other-run").write_text("its checkpoints")
+        held["fd"] = fd
+        return prepared
+
+    monkeypatch.setattr(Run, "prepare", prepare_while_another_run_starts)
+    monkeypatch.setattr(sys, "argv", ["dpreg", "run", str(recipe), "--out", str(out), "-q", "--overwrite"])
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.main()
+    finally:
+        if "fd" in held:
+            os.close(held["fd"])
+    FAULTS["injected"] += 1
+    assert e.value.code == 2 and "another run (pid 4242" in capsys.readouterr().err
+    assert (out / "other-run").read_text() == "its checkpoints" and not (out / "recipe.json").exists()
+
+
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(reference, tmp_path):
     recipe, ref_out = reference
     out = tmp_path / "out"

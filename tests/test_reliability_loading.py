@@ -108,6 +108,21 @@ def test_a_pickle_only_model_folder_is_refused(tmp_path):
     assert not (tmp_path / "PWNED").exists()
 
 
+def test_a_stray_safetensors_file_does_not_admit_pickled_model_weights(tmp_path):
+    """transformers loads model.safetensors (or its index) and otherwise falls back to the pickle:
+    another *.safetensors in the folder (an adapter, a tokenizer) must not pass the check."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(minilm_dir() / "config.json", folder / "config.json")
+    (folder / "pytorch_model.bin").write_bytes(malicious_files(tmp_path)["torch.save zip"])
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(UserError, match="only as pickles"):
+        resolve_model_dir(str(folder))
+    assert not (tmp_path / "PWNED").exists()
+
+
 def test_a_model_folder_with_both_formats_loads_the_safetensors_and_never_the_pickle(tmp_path, sst2_dir):
     """transformers prefers model.safetensors; the pickle beside it is never opened."""
     from test_core_cli import dpreg

@@ -102,9 +102,6 @@ class ZOTwoPoint(Estimator):
         names = tuple(run.params)
         u = Direction(run.rng.step_seed("direction", run.step), self.cfg.direction)
         lam = self.cfg.smoothing
-        if len(indices) == 0:
-            yield DirectionContribution(values=torch.zeros(0), direction=u, names=names, losses=torch.zeros(0))
-            return
         values, mid = central_differences(objective, indices, run, u, lam)
         yield DirectionContribution(values=values, direction=u, names=names, losses=mid)
 

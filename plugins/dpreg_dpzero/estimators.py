@@ -48,10 +48,6 @@ class ZOTwoPointVector(Estimator):
     def contributions(self, objective, indices, run):
         m, lam = self.cfg.directions, self.cfg.smoothing
         dirs = tuple(direction_for(run, j, self.cfg.direction) for j in range(m))
-        if len(indices) == 0:
-            yield VectorZOContribution(values=torch.zeros(0, m), directions=dirs, params=dict(run.params),
-                                       losses=torch.zeros(0))
-            return
         cols, mids = [], []
         for j, u in enumerate(dirs):
             if j:  # restore x from the previous direction's x − λu
