@@ -168,3 +168,33 @@ def test_no_code_in_the_library_or_its_plugins_unpickles():
                 line = text.count("\n", 0, m.start()) + 1
                 found.append(f"{path.relative_to(REPO)}:{line}: {what}")
     assert not found, "\n".join(found)
+
+
+def test_pretrained_image_models_load_from_safetensors_only(tmp_path):
+    """The DP-GRAPE image objective loads `init: pretrained` weights through the same check as the
+    text objectives: a pickle-only folder is refused (never unpickled), model.safetensors loads."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from test_grape_recipes import write_cifar10_binary
+
+    data = tmp_path / "cifar"
+    write_cifar10_binary(data, 40, 8)
+    folder = tmp_path / "vit"
+    cfg = ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=32,
+                    patch_size=8, num_labels=10, architectures=["ViTForImageClassification"])
+    torch.manual_seed(0)
+    ViTForImageClassification(cfg).save_pretrained(folder, safe_serialization=True)
+    recipe = {"seed": 0, "algorithm": "dp_adam",
+              "objective": {"name": "image_classification", "model": {"config": str(folder), "init": "pretrained"},
+                            "data": {"path": str(data)}},
+              "sampler": {"name": "poisson", "batch_size": 4}, "privatizer": {"clip": 1.0, "noise_multiplier": 1.0},
+              "privacy": {"epsilon": 1000.0, "delta": 1e-3}, "train": {"steps": 1, "progress": False}}
+    saved = ViTForImageClassification.from_pretrained(folder).state_dict()
+    run = make_run(recipe, tmp_path)
+    assert all(torch.equal(run.objective.model.state_dict()[k], v) for k, v in saved.items())
+
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(malicious_files(tmp_path)["torch.save zip"])
+    with pytest.raises(UserError, match="only as pickles"):
+        make_run(recipe, tmp_path)
+    assert not (tmp_path / "PWNED").exists()

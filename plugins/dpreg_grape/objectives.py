@@ -138,8 +138,12 @@ class ImageClassification(TorchObjective):
             if m.init == "pretrained":
                 import transformers
 
-                arch = getattr(transformers, config_dict(m.config).get("architectures", ["AutoModel"])[0])
-                self.model = arch.from_pretrained(m.config, num_labels=n_labels, ignore_mismatched_sizes=True)
+                from dpregistry.hf import resolve_model_dir
+
+                folder = resolve_model_dir(m.config)  # a local folder with safetensors weights, never a pickle
+                arch = getattr(transformers, config_dict(folder).get("architectures", ["AutoModel"])[0])
+                self.model = arch.from_pretrained(folder, num_labels=n_labels, ignore_mismatched_sizes=True,
+                                                  use_safetensors=True)
             else:
                 self.model = build_from_config(m.config, num_labels=n_labels)
         self.model = self.model.to(run.device, self.dtype)
