@@ -15,7 +15,7 @@ import shutil
 import socket
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Optional
@@ -368,23 +368,16 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
         comm = _comm()
         rank0 = comm is None or comm.rank == 0
         r = load_recipe(recipe, set_)
-        problem, out_dir = None, None
-        if rank0:
-            try:
-                out_dir = prepare_out(out, recipe, overwrite)
-            except UserError as e:
-                problem = str(e)
-        if comm is not None:
-            problem, out_dir = comm.broadcast_object((problem, out_dir))
-        if problem:
-            raise UserError(problem)
+        out_dir = _on_rank0_for_all(comm, lambda: prepare_out(out, recipe, overwrite))
         # Everything that can fail on bad input happens before the folder is touched.
         prepared = Run(r, None, comm=comm).prepare()
-        if rank0:
-            _writable(out_dir)
-        with run_lock(out_dir) if rank0 else _nothing():
-            if rank0:
+        with ExitStack() as held:
+            def claim():
+                _writable(out_dir)
+                held.enter_context(run_lock(out_dir))
                 _claim(out_dir, overwrite)
+
+            _on_rank0_for_all(comm, claim)
             run_ = start_run(prepared, out_dir)
             summary = _train(run_, quiet or not rank0)
         _leave(comm)
@@ -393,9 +386,24 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
     _exit_if_stopped(run_, out_dir)
 
 
-@contextmanager
-def _nothing():
-    yield
+def _on_rank0_for_all(comm, fn):
+    """fn() on rank 0 (the folder, its lock), its result or its refusal on every rank: a refusal
+    on rank 0 alone would leave the others waiting in the first collective until they time out."""
+    result, problem = None, None
+    if comm is None or comm.rank == 0:
+        try:
+            result = fn()
+        except UserError as e:
+            if comm is None:
+                raise
+            problem = e
+    if comm is not None:
+        message, result = comm.broadcast_object((str(problem) if problem else None, result))
+        if problem is not None:
+            raise problem
+        if message:
+            raise UserError(message)
+    return result
 
 
 def _leave(comm) -> None:
@@ -424,7 +432,11 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
             raise UserError("run folder not found", file=str(run_dir))
         if not (run_dir / "recipe.json").exists():
             raise UserError("not a dpregistry run folder (no recipe.json)", file=str(run_dir))
-        with run_lock(run_dir) if rank0 else _nothing():
+        with ExitStack() as held:
+            def lock():
+                held.enter_context(run_lock(run_dir))
+
+            _on_rank0_for_all(comm, lock)
             r = resume_run(run_dir, comm=comm, warn=lambda m: err.print(escape(m), style="yellow") if rank0 else None)
             if r.algorithm.done(r):
                 if rank0:

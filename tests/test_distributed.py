@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -272,3 +273,18 @@ def test_only_rank_0_rewrites_the_metrics_on_resume(tmp_path):
 
     r = resume_run(out, comm=Rank1(), warn=lambda m: None)
     assert r.step == 5 and (out / "metrics.jsonl").stat().st_ino == before
+
+
+def test_a_refusal_on_rank_0_reaches_every_rank(runs, tmp_path):
+    """Rank 0 alone takes the folder's lock: when it is refused (another process holds the run),
+    every rank must stop with that refusal, not wait in a collective for a rank that left."""
+    from dpregistry.cli import run_lock
+
+    _, out = runs
+    run_dir = tmp_path / "zo2"
+    shutil.copytree(out["zo", 2], run_dir)
+    with run_lock(run_dir):
+        res = dpreg("resume", run_dir, "-q", nproc=2)
+    assert res.returncode != 0
+    assert res.stderr.count("is using this folder") == 2, res.stderr[-3000:]  # one line from each rank
+    assert "lost contact" not in res.stderr
