@@ -162,3 +162,13 @@ def test_kl_ledger_costs_spec004_table():
     assert zcdp_rho(norm_query) == pytest.approx(2 * math.sqrt(rho) / n)
     sigma_t = 0.01
     assert zcdp_rho(Gaussian(sigma_t, delta_q)) == pytest.approx(2 * L0 ** 2 / (n ** 2 * sigma_t ** 2))
+
+
+@pytest.mark.parametrize("name", ["rdp", "rdp_filter", "pld"])
+def test_tree_event_is_accounted_as_a_gaussian_of_sensitivity_s_sqrt_c(name):
+    """A tree period is the Gaussian mechanism of sensitivity Δ·sqrt(nodes) (spec 001 §2.4): every
+    (ε, δ) accountant reports at least its exact ε, and the same ε as the equivalent Gaussian."""
+    tree = TreeAggregation(std=4.0, sensitivity=1.0, nodes_per_record=4)
+    got = eps_of(name, [(tree, 3)], 1e-5, epsilon=50.0)
+    assert got == pytest.approx(eps_of(name, [(tree.as_gaussian(), 3)], 1e-5, epsilon=50.0), rel=1e-9)
+    assert exact_epsilon(math.sqrt(3) * math.sqrt(4) / 4.0, 1e-5) <= got  # 3 periods, μ = sqrt(3·4)/4

@@ -95,8 +95,8 @@ def refuse_rho_budget(acc: Accountant) -> None:
 
 def _to_rdp_event(ev: PrivacyEvent, relation: str):
     """(dp-accounting event, dp-accounting relation) for the RDP accountant."""
-    if isinstance(ev, TreeAggregation):  # nodes·ρ(node): exact in the node count, not via √nodes
-        return gaussian_zcdp(ev.sensitivity, ev.std) * ev.nodes_per_record
+    if isinstance(ev, TreeAggregation):  # a dp-accounting event, not a ρ: Gaussian of sensitivity Δ·sqrt(nodes)
+        ev = ev.as_gaussian()
     if isinstance(ev, Gaussian):
         return (dpa.GaussianDpEvent(ev.noise_multiplier) if ev.std > 0 else dpa.NonPrivateDpEvent()), NR.ADD_OR_REMOVE_ONE
     if isinstance(ev, PoissonSampled):
@@ -343,8 +343,8 @@ def pld_of(ev: PrivacyEvent, relation: str, discretization: float):
     PLD of a replace-one subsampled Gaussian at a small noise is the slow part of accounting.
     Connect-the-dots PLDs (Doroshenko et al. 2022) stay pessimistic and close to the truth even at
     coarse discretizations, which the coarse stage of calibration relies on."""
-    if isinstance(ev, TreeAggregation):  # nodes·ρ(node): exact in the node count, not via √nodes
-        return gaussian_zcdp(ev.sensitivity, ev.std) * ev.nodes_per_record
+    if isinstance(ev, TreeAggregation):  # a PLD, not a ρ: the Gaussian of sensitivity Δ·sqrt(nodes)
+        ev = ev.as_gaussian()
     if isinstance(ev, Gaussian):
         if ev.std == 0:
             return math.inf
