@@ -172,3 +172,18 @@ def test_tree_event_is_accounted_as_a_gaussian_of_sensitivity_s_sqrt_c(name):
     got = eps_of(name, [(tree, 3)], 1e-5, epsilon=50.0)
     assert got == pytest.approx(eps_of(name, [(tree.as_gaussian(), 3)], 1e-5, epsilon=50.0), rel=1e-9)
     assert exact_epsilon(math.sqrt(3) * math.sqrt(4) / 4.0, 1e-5) <= got  # 3 periods, μ = sqrt(3·4)/4
+
+
+def test_epsilon_to_zcdp_never_rounds_above_the_target():
+    """The ρ budget derived from (ε, δ) converts back to at most ε, not ε plus a rounding error
+    (the standard conversion's sqrt(ε+L) − sqrt(L) cancels for small ε), and a zcdp run that
+    spends its whole budget reports at most the target ε."""
+    rng = np.random.default_rng(0)
+    for eps, delta in zip(10 ** rng.uniform(-3, 2, 2000), 10 ** rng.uniform(-12, -2, 2000)):
+        rho = epsilon_to_zcdp(eps, delta)
+        assert zcdp_to_epsilon(rho, delta) <= eps
+        assert rho == pytest.approx((math.sqrt(eps + math.log(1 / delta)) - math.sqrt(math.log(1 / delta))) ** 2,
+                                    rel=1e-9)
+    a = acc("zcdp", epsilon=0.37, delta=1e-7)
+    a.charge([Charge(ZCDP(a.budget_rho()))], 0)
+    assert a.epsilon() <= 0.37
