@@ -240,3 +240,17 @@ def test_adaptive_run_stops_cleanly_when_the_filter_refuses(accountant, privacy,
     else:
         assert acc.epsilon() <= 8.0
     assert any(not torch.equal(before[k], run.params[k]) for k in before)
+
+
+@pytest.mark.parametrize("privacy", [{}, {"delta": 1e-5}])
+def test_an_adaptive_run_without_a_budget_is_refused(privacy, registry, tmp_path):
+    """A filter's guarantee holds for a budget fixed in advance; the sum of adaptively chosen
+    costs is not a guarantee (Rogers et al. 2016: odometers cost more), so without a budget an
+    adaptive run would be admitted without limit and report an invalid ε."""
+    from dpregistry.engine import Run
+    from dpregistry.recipe import load
+
+    recipe = _adaptive_recipe("zcdp", privacy)
+    with pytest.raises(UserError, match="budget") as e:
+        Run(load(write_recipe(tmp_path, recipe), registry=registry), None).prepare()
+    assert e.value.key and e.value.key.startswith("privacy")
