@@ -139,3 +139,20 @@ def test_non_finite_examples_never_leak_through_clipping():
     vals = torch.tensor([0.5, math.nan, math.inf, -math.inf], dtype=torch.float64)
     total = clip_and_sum(DirectionContribution(values=vals, direction=Direction(3)), C)
     assert total.aggregate.coeff == 0.5 and total.nonfinite == 3
+
+
+@pytest.mark.parametrize("make", [lambda: SelfComposed(Gaussian(1.0, 1.0), -3),
+                                  lambda: SelfComposed(Gaussian(1.0, 1.0), 2.5),
+                                  lambda: Charge(Gaussian(1.0, 1.0), count=-1)])
+def test_negative_or_fractional_counts_are_refused(make):
+    """A negative count would subtract from the ledger: ε reported below the truth."""
+    with pytest.raises(ValueError, match="count"):
+        make()
+
+
+def test_a_negative_count_cannot_lower_the_charged_total():
+    acc = make_accountant("zcdp", Budget(rho=1.0))
+    acc.charge([Charge(Gaussian(1.0, 1.0))], 0)
+    with pytest.raises(ValueError):
+        acc.charge([Charge(SelfComposed(Gaussian(1.0, 1.0), -1))], 1)
+    assert acc.rho() == 0.5

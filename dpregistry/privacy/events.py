@@ -15,6 +15,7 @@ under add/remove.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -141,6 +142,10 @@ class SelfComposed(PrivacyEvent):
     type: ClassVar[str] = "self_composed"
     event: PrivacyEvent
     count: int
+
+    def __post_init__(self):
+        if not (isinstance(self.count, numbers.Integral) and self.count >= 0):  # a negative count would un-charge
+            raise ValueError(f"a self-composition count must be an integer >= 0, got {self.count}")
 
     def describe(self) -> str:
         return f"{self.count}×{self.event.describe()}"
