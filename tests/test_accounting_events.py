@@ -156,3 +156,20 @@ def test_a_negative_count_cannot_lower_the_charged_total():
     with pytest.raises(ValueError):
         acc.charge([Charge(SelfComposed(Gaussian(1.0, 1.0), -1))], 1)
     assert acc.rho() == 0.5
+
+
+@pytest.mark.parametrize("name", ["rdp", "rdp_filter", "pld", "zcdp"])
+def test_a_zero_count_charge_costs_nothing_and_hides_nothing(name):
+    """0·∞ is NaN, and dp-accounting turns a NaN RDP curve into ε = 0: a zero-count charge of an
+    event with an infinite RDP at some order (non-private; a subsampled Gaussian at low fractional
+    orders) made the RDP accountant report ε = 0 for the whole ledger, and approve any plan."""
+    acc = make_accountant(name, Budget(epsilon=50.0, delta=1e-5))
+    acc.charge([Charge(Gaussian(1.0, 2.0), count=5)], 0)
+    before = acc.epsilon()
+    for ev in (NonPrivate(), PoissonSampled(0.5, Gaussian(3.0, 2.0))):
+        assert acc.epsilon(extra=[Charge(ev, count=0)]) == before
+        assert not acc.fits([Charge(ev, count=0), Charge(Gaussian(0.5, 2.0), count=100)])
+    acc.charge([Charge(NonPrivate(), count=0)], 1)
+    assert acc.epsilon() == before and acc.fits()
+    with pytest.raises(ValueError, match="count"):
+        SelfComposed(Gaussian(1.0, 1.0), 0)

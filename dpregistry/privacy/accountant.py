@@ -67,7 +67,8 @@ class Ledger:
             out.setdefault(e["partition"], Counter())[ev] += e["count"]
         for c in extra:
             out.setdefault(c.partition, Counter())[c.event] += c.count
-        return out
+        # A zero count charges nothing; kept, 0·∞ would be a NaN that dp-accounting reads as ε = 0.
+        return {p: +c for p, c in out.items()}
 
     @property
     def n_charges(self) -> int:

@@ -144,8 +144,9 @@ class SelfComposed(PrivacyEvent):
     count: int
 
     def __post_init__(self):
-        if not (isinstance(self.count, numbers.Integral) and self.count >= 0):  # a negative count would un-charge
-            raise ValueError(f"a self-composition count must be an integer >= 0, got {self.count}")
+        # a negative count would un-charge; a zero one is no event (and 0·∞ is NaN in an RDP curve)
+        if not (isinstance(self.count, numbers.Integral) and self.count >= 1):
+            raise ValueError(f"a self-composition count must be an integer >= 1, got {self.count}")
 
     def describe(self) -> str:
         return f"{self.count}×{self.event.describe()}"
