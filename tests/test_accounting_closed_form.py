@@ -184,6 +184,7 @@ def test_epsilon_to_zcdp_never_rounds_above_the_target():
         assert zcdp_to_epsilon(rho, delta) <= eps
         assert rho == pytest.approx((math.sqrt(eps + math.log(1 / delta)) - math.sqrt(math.log(1 / delta))) ** 2,
                                     rel=1e-9)
+    assert epsilon_to_zcdp(math.inf, 1e-5) == math.inf
     a = acc("zcdp", epsilon=0.37, delta=1e-7)
     a.charge([Charge(ZCDP(a.budget_rho()))], 0)
     assert a.epsilon() <= 0.37
