@@ -261,6 +261,10 @@ class RdpFilter(RdpAccountant):
     Params = RdpFilterParams
     calibrate = Accountant.calibrate  # one order: the generic search is exact and cheap
 
+    def validate(self, run):
+        super().validate(run)
+        self._need_budget()  # its budget B(α) comes from (ε, δ): refuse now, not at the first reported ε
+
     @property
     def order(self) -> float:
         """Fixed before any data is seen: it depends on the budget and the recipe only."""
