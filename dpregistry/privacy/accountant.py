@@ -264,6 +264,7 @@ class Accountant(Stage):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ledger = Ledger.from_json(state.get("ledger", []))
+        self._approved = Counter()  # approved against another ledger: the remaining plan is approved anew
 
 
 
