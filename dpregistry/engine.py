@@ -211,6 +211,12 @@ class Run:
 
     def check_plan(self) -> None:
         """Refuse a run whose planned charges (on top of the ledger) exceed the budget."""
+        if self.algorithm.adaptive and not self.budget.is_set:
+            # A filter's guarantee holds for a budget fixed in advance; the sum of adaptively chosen
+            # costs is none (Rogers et al. 2016), so without one the filter would admit every charge.
+            raise UserError(f"algorithm {self.algorithm.name!r} chooses its noise adaptively: its privacy filter "
+                            f"needs a budget set in advance (privacy.rho, or privacy.epsilon and privacy.delta)",
+                            file=self.recipe.source, **_key(self.recipe, "privacy"))
         z = getattr(self.privatizer, "noise_multiplier", None)
         plan = self.algorithm.plan(self, z) if z is not None or not self.algorithm.adaptive else []
         self.accountant.check_events(c.event for c in plan)

@@ -29,6 +29,7 @@ checkpoints (tensors and JSON-able values only).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
@@ -126,6 +127,10 @@ class Charge:
     event: PrivacyEvent
     partition: str | None = None
     count: int = 1
+
+    def __post_init__(self):
+        if not (isinstance(self.count, numbers.Integral) and self.count >= 0):  # a negative count would un-charge
+            raise ValueError(f"a charge count must be an integer >= 0, got {self.count}")
 
 
 class Sampler(Stage):

@@ -189,3 +189,21 @@ def test_uniform_sampler_charges_sampling_without_replacement(tmp_path):
         make_run(recipe(sampler={"name": "uniform", "batch_size": BATCH}, accountant="pld"), tmp_path)
     with pytest.raises(UserError, match="replace-one"):
         make_run(recipe(sampler={"name": "uniform", "batch_size": BATCH}, privacy={"relation": "add_remove"}), tmp_path)
+
+
+def test_restoring_a_ledger_drops_an_approval_made_without_it():
+    """An approved plan lets its charges through unchecked; restoring a checkpoint's ledger must
+    not keep an approval computed against another (here: empty) ledger."""
+    from dpregistry import BudgetExhausted
+
+    ev = PoissonSampled(BATCH / N, Gaussian(std=8.0, sensitivity=2 * CLIP))
+    acc = make_accountant("rdp", {"epsilon": 2.0, "delta": 1e-5})
+    n = 1
+    while acc.fits([Charge(ev, count=2 * n)]):
+        n *= 2
+    acc.approve([Charge(ev, count=n)])  # fits alone, but not on top of a ledger that spent as much
+    spent = make_accountant("rdp", {"epsilon": 2.0, "delta": 1e-5})
+    spent.ledger.add(Charge(ev, count=n), 0)
+    acc.load_state_dict(spent.state_dict())
+    with pytest.raises(BudgetExhausted):
+        acc.charge([Charge(ev, count=n)], 1)

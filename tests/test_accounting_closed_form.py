@@ -162,3 +162,29 @@ def test_kl_ledger_costs_spec004_table():
     assert zcdp_rho(norm_query) == pytest.approx(2 * math.sqrt(rho) / n)
     sigma_t = 0.01
     assert zcdp_rho(Gaussian(sigma_t, delta_q)) == pytest.approx(2 * L0 ** 2 / (n ** 2 * sigma_t ** 2))
+
+
+@pytest.mark.parametrize("name", ["rdp", "rdp_filter", "pld"])
+def test_tree_event_is_accounted_as_a_gaussian_of_sensitivity_s_sqrt_c(name):
+    """A tree period is the Gaussian mechanism of sensitivity Δ·sqrt(nodes) (spec 001 §2.4): every
+    (ε, δ) accountant reports at least its exact ε, and the same ε as the equivalent Gaussian."""
+    tree = TreeAggregation(std=4.0, sensitivity=1.0, nodes_per_record=4)
+    got = eps_of(name, [(tree, 3)], 1e-5, epsilon=50.0)
+    assert got == pytest.approx(eps_of(name, [(tree.as_gaussian(), 3)], 1e-5, epsilon=50.0), rel=1e-9)
+    assert exact_epsilon(math.sqrt(3) * math.sqrt(4) / 4.0, 1e-5) <= got  # 3 periods, μ = sqrt(3·4)/4
+
+
+def test_epsilon_to_zcdp_never_rounds_above_the_target():
+    """The ρ budget derived from (ε, δ) converts back to at most ε, not ε plus a rounding error
+    (the standard conversion's sqrt(ε+L) − sqrt(L) cancels for small ε), and a zcdp run that
+    spends its whole budget reports at most the target ε."""
+    rng = np.random.default_rng(0)
+    for eps, delta in zip(10 ** rng.uniform(-3, 2, 2000), 10 ** rng.uniform(-12, -2, 2000)):
+        rho = epsilon_to_zcdp(eps, delta)
+        assert zcdp_to_epsilon(rho, delta) <= eps
+        assert rho == pytest.approx((math.sqrt(eps + math.log(1 / delta)) - math.sqrt(math.log(1 / delta))) ** 2,
+                                    rel=1e-9)
+    assert epsilon_to_zcdp(math.inf, 1e-5) == math.inf
+    a = acc("zcdp", epsilon=0.37, delta=1e-7)
+    a.charge([Charge(ZCDP(a.budget_rho()))], 0)
+    assert a.epsilon() <= 0.37

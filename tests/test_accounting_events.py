@@ -139,3 +139,37 @@ def test_non_finite_examples_never_leak_through_clipping():
     vals = torch.tensor([0.5, math.nan, math.inf, -math.inf], dtype=torch.float64)
     total = clip_and_sum(DirectionContribution(values=vals, direction=Direction(3)), C)
     assert total.aggregate.coeff == 0.5 and total.nonfinite == 3
+
+
+@pytest.mark.parametrize("make", [lambda: SelfComposed(Gaussian(1.0, 1.0), -3),
+                                  lambda: SelfComposed(Gaussian(1.0, 1.0), 2.5),
+                                  lambda: Charge(Gaussian(1.0, 1.0), count=-1)])
+def test_negative_or_fractional_counts_are_refused(make):
+    """A negative count would subtract from the ledger: ε reported below the truth."""
+    with pytest.raises(ValueError, match="count"):
+        make()
+
+
+def test_a_negative_count_cannot_lower_the_charged_total():
+    acc = make_accountant("zcdp", Budget(rho=1.0))
+    acc.charge([Charge(Gaussian(1.0, 1.0))], 0)
+    with pytest.raises(ValueError):
+        acc.charge([Charge(SelfComposed(Gaussian(1.0, 1.0), -1))], 1)
+    assert acc.rho() == 0.5
+
+
+@pytest.mark.parametrize("name", ["rdp", "rdp_filter", "pld", "zcdp"])
+def test_a_zero_count_charge_costs_nothing_and_hides_nothing(name):
+    """0·∞ is NaN, and dp-accounting turns a NaN RDP curve into ε = 0: a zero-count charge of an
+    event with an infinite RDP at some order (non-private; a subsampled Gaussian at low fractional
+    orders) made the RDP accountant report ε = 0 for the whole ledger, and approve any plan."""
+    acc = make_accountant(name, Budget(epsilon=50.0, delta=1e-5))
+    acc.charge([Charge(Gaussian(1.0, 2.0), count=5)], 0)
+    before = acc.epsilon()
+    for ev in (NonPrivate(), PoissonSampled(0.5, Gaussian(3.0, 2.0))):
+        assert acc.epsilon(extra=[Charge(ev, count=0)]) == before
+        assert not acc.fits([Charge(ev, count=0), Charge(Gaussian(0.5, 2.0), count=100)])
+    acc.charge([Charge(NonPrivate(), count=0)], 1)
+    assert acc.epsilon() == before and acc.fits()
+    with pytest.raises(ValueError, match="count"):
+        SelfComposed(Gaussian(1.0, 1.0), 0)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import write_recipe
+from conftest import make_run, write_recipe
 from dpregistry import Algorithm, BudgetExhausted, Charge, StepResult, UserError, hookimpl
 from dpregistry.privacy.accountant import Budget, make_accountant, total_fits
 from dpregistry.privacy.events import ZCDP, Gaussian
@@ -240,3 +240,33 @@ def test_adaptive_run_stops_cleanly_when_the_filter_refuses(accountant, privacy,
     else:
         assert acc.epsilon() <= 8.0
     assert any(not torch.equal(before[k], run.params[k]) for k in before)
+
+
+@pytest.mark.parametrize("privacy", [{}, {"delta": 1e-5}])
+def test_an_adaptive_run_without_a_budget_is_refused(privacy, registry, tmp_path):
+    """A filter's guarantee holds for a budget fixed in advance; the sum of adaptively chosen
+    costs is not a guarantee (Rogers et al. 2016: odometers cost more), so without a budget an
+    adaptive run would be admitted without limit and report an invalid ε."""
+    from dpregistry.engine import Run
+    from dpregistry.recipe import load
+
+    recipe = _adaptive_recipe("zcdp", privacy)
+    with pytest.raises(UserError, match="budget") as e:
+        Run(load(write_recipe(tmp_path, recipe), registry=registry), None).prepare()
+    assert e.value.key and e.value.key.startswith("privacy")
+
+
+def test_rdp_filter_without_an_epsilon_is_refused_before_step_1(tmp_path):
+    """Its budget (and order) come from (ε, δ): without ε the run failed at its first logged ε or at
+    its summary, after steps were charged."""
+    recipe = {"algorithm": "dp_sgd", "objective": {"name": "quadratic", "dim": 3, "n": 500, "n_test": 10},
+              "sampler": {"name": "poisson", "batch_size": 25}, "privatizer": {"clip": 1.0, "noise_multiplier": 1.0},
+              "update": {"lr": 0.05}, "accountant": "rdp_filter", "privacy": {"delta": 1e-5},
+              "train": {"steps": 4, "log_every": 2, "progress": False}}
+    for accountant in ("rdp_filter", {"name": "rdp_filter", "order": 8.0}):
+        with pytest.raises(UserError, match="rdp_filter needs privacy.epsilon"):
+            make_run({**recipe, "accountant": accountant}, tmp_path)
+    recipe["privacy"]["epsilon"] = 50.0
+    run = make_run(recipe, tmp_path)
+    run.train()
+    assert run.accountant.ledger.n_charges == 4 and 0 < run.epsilon() <= 50.0

@@ -67,7 +67,8 @@ class Ledger:
             out.setdefault(e["partition"], Counter())[ev] += e["count"]
         for c in extra:
             out.setdefault(c.partition, Counter())[c.event] += c.count
-        return out
+        # A zero count charges nothing; kept, 0·∞ would be a NaN that dp-accounting reads as ε = 0.
+        return {p: +c for p, c in out.items()}
 
     @property
     def n_charges(self) -> int:
@@ -263,6 +264,7 @@ class Accountant(Stage):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ledger = Ledger.from_json(state.get("ledger", []))
+        self._approved = Counter()  # approved against another ledger: the remaining plan is approved anew
 
 
 

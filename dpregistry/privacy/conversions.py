@@ -18,8 +18,13 @@ def epsilon_to_zcdp(epsilon: float, delta: float) -> float:
     """The largest ρ whose standard conversion gives at most (ε, δ): (√(ε+L) − √L)², L = ln(1/δ)."""
     if epsilon <= 0 or not 0 < delta < 1:
         raise ValueError("need epsilon > 0 and 0 < delta < 1")
+    if math.isinf(epsilon):
+        return math.inf
     L = math.log(1.0 / delta)
-    return (math.sqrt(epsilon + L) - math.sqrt(L)) ** 2
+    rho = (epsilon / (math.sqrt(epsilon + L) + math.sqrt(L))) ** 2  # = (√(ε+L) − √L)², without cancellation
+    while zcdp_to_epsilon(rho, delta) > epsilon:  # rounding must not raise the ε it converts back to
+        rho = math.nextafter(rho, 0.0)
+    return rho
 
 
 def zcdp_to_delta(rho: float, epsilon: float) -> float:

@@ -15,6 +15,7 @@ under add/remove.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -141,6 +142,11 @@ class SelfComposed(PrivacyEvent):
     type: ClassVar[str] = "self_composed"
     event: PrivacyEvent
     count: int
+
+    def __post_init__(self):
+        # a negative count would un-charge; a zero one is no event (and 0·∞ is NaN in an RDP curve)
+        if not (isinstance(self.count, numbers.Integral) and self.count >= 1):
+            raise ValueError(f"a self-composition count must be an integer >= 1, got {self.count}")
 
     def describe(self) -> str:
         return f"{self.count}×{self.event.describe()}"

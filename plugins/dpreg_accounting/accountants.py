@@ -15,6 +15,8 @@ neighbouring outputs). The mapping per relation is:
 * sampling without replacement (replace-one): RDP of Wang–Balle–Kasiviswanathan 2019 via
   dp-accounting, multiplier std/Δ with the replace-one Δ = 2C. PLD has no such analysis and
   refuses it; zCDP charges it unamplified.
+* several releases of one sampled batch (``Composed`` inside a sampling event): the Gaussian they
+  compose to, (Δ/σ)² = Σ (Δ_i/σ_i)² (a record is in all of them or in none).
 * tree aggregation: a record enters ⌊log₂T⌋+1 nodes of sensitivity Δ, each with noise std, so one
   period is a Gaussian mechanism of sensitivity Δ·sqrt(⌊log₂T⌋+1) (spec 001 §2.4, spec 002 §2.3).
 * exponential mechanism (pure ε-DP): ε²/8-zCDP (bounded range, Cesar–Rogers) or ε²/2 (Bun–Steinke
@@ -52,6 +54,9 @@ ORDERS = tuple(rdplib.DEFAULT_RDP_ORDERS)
 
 
 def _gaussian_multiplier(ev: PrivacyEvent) -> float:
+    if isinstance(ev, Composed):  # releases of one batch: the Gaussian with (Δ/σ)² = Σ (Δ_i/σ_i)²
+        zs = [_gaussian_multiplier(e) for e in ev.events]
+        return 0.0 if not zs or min(zs) == 0 else 1.0 / math.sqrt(math.fsum(z ** -2 for z in zs))
     if isinstance(ev, TreeAggregation):
         ev = ev.as_gaussian()
     if not isinstance(ev, Gaussian):
@@ -95,8 +100,8 @@ def refuse_rho_budget(acc: Accountant) -> None:
 
 def _to_rdp_event(ev: PrivacyEvent, relation: str):
     """(dp-accounting event, dp-accounting relation) for the RDP accountant."""
-    if isinstance(ev, TreeAggregation):  # nodes·ρ(node): exact in the node count, not via √nodes
-        return gaussian_zcdp(ev.sensitivity, ev.std) * ev.nodes_per_record
+    if isinstance(ev, TreeAggregation):  # a dp-accounting event, not a ρ: Gaussian of sensitivity Δ·sqrt(nodes)
+        ev = ev.as_gaussian()
     if isinstance(ev, Gaussian):
         return (dpa.GaussianDpEvent(ev.noise_multiplier) if ev.std > 0 else dpa.NonPrivateDpEvent()), NR.ADD_OR_REMOVE_ONE
     if isinstance(ev, PoissonSampled):
@@ -261,6 +266,10 @@ class RdpFilter(RdpAccountant):
     Params = RdpFilterParams
     calibrate = Accountant.calibrate  # one order: the generic search is exact and cheap
 
+    def validate(self, run):
+        super().validate(run)
+        self._need_budget()  # its budget B(α) comes from (ε, δ): refuse now, not at the first reported ε
+
     @property
     def order(self) -> float:
         """Fixed before any data is seen: it depends on the budget and the recipe only."""
@@ -343,8 +352,8 @@ def pld_of(ev: PrivacyEvent, relation: str, discretization: float):
     PLD of a replace-one subsampled Gaussian at a small noise is the slow part of accounting.
     Connect-the-dots PLDs (Doroshenko et al. 2022) stay pessimistic and close to the truth even at
     coarse discretizations, which the coarse stage of calibration relies on."""
-    if isinstance(ev, TreeAggregation):  # nodes·ρ(node): exact in the node count, not via √nodes
-        return gaussian_zcdp(ev.sensitivity, ev.std) * ev.nodes_per_record
+    if isinstance(ev, TreeAggregation):  # a PLD, not a ρ: the Gaussian of sensitivity Δ·sqrt(nodes)
+        ev = ev.as_gaussian()
     if isinstance(ev, Gaussian):
         if ev.std == 0:
             return math.inf
@@ -352,6 +361,8 @@ def pld_of(ev: PrivacyEvent, relation: str, discretization: float):
                                               value_discretization_interval=discretization)
     if isinstance(ev, PoissonSampled):
         inner = ev.event.as_gaussian() if isinstance(ev.event, TreeAggregation) else ev.event
+        if isinstance(inner, Composed):  # releases of one batch (see _gaussian_multiplier)
+            inner = Gaussian(std=_gaussian_multiplier(inner), sensitivity=1.0)
         if not isinstance(inner, Gaussian):
             raise UserError("pld: only Poisson-subsampled Gaussians are supported")
         if inner.std == 0:

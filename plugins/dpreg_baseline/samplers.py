@@ -9,7 +9,17 @@ import torch
 from pydantic import Field, model_validator
 
 from dpregistry import Charge, Sampler, StageParams, UserError
-from dpregistry.privacy.events import NonPrivate, PoissonSampled, PrivacyEvent, SampledWithoutReplacement
+from dpregistry.privacy.events import Composed, NonPrivate, PoissonSampled, PrivacyEvent, SampledWithoutReplacement
+
+
+def sampled_together(events: list[PrivacyEvent], wrap) -> list[Charge]:
+    """Charges of one step's releases of one batch: a record is in all of them or in none, so their
+    composition is sampled once (wrapping each alone would assume independent batches: too little ε)."""
+    private = [e for e in events if not isinstance(e, NonPrivate)]
+    out = [Charge(e) for e in events if isinstance(e, NonPrivate)]
+    if private:
+        out.append(Charge(wrap(private[0] if len(private) == 1 else Composed(tuple(private)))))
+    return out
 
 
 class PoissonParams(StageParams):
@@ -47,7 +57,7 @@ class PoissonSampler(Sampler):
         return self.q * self.n
 
     def account(self, step, events, run):
-        return [Charge(e if isinstance(e, NonPrivate) else PoissonSampled(self.q, e)) for e in events]
+        return sampled_together(events, lambda e: PoissonSampled(self.q, e))
 
 
 class ShuffleParams(StageParams):
@@ -151,8 +161,7 @@ class UniformSampler(Sampler):
         return float(self.B)
 
     def account(self, step, events, run):
-        return [Charge(e if isinstance(e, NonPrivate) else SampledWithoutReplacement(self.n, self.B, e))
-                for e in events]
+        return sampled_together(events, lambda e: SampledWithoutReplacement(self.n, self.B, e))
 
 
 class FullBatch(Sampler):
