@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 import subprocess
 import sys
 
@@ -267,3 +268,19 @@ def test_per_step_gaussian_is_noised_for_the_batch_it_releases(tmp_path, algorit
     charged = [e["event"]["sensitivity"] for e in run.accountant.ledger.entries]
     assert charged and all(c == pytest.approx(2 * d * L / s.batch_rest) for c in charged)
     assert run.accountant.rho() <= rho * (1 + 1e-12)
+
+
+def test_zcdp_fail_never_admits_a_rounding_over_a_rho_budget():
+    """A pure ρ budget is decided exactly: 3 charges of ρ/3 (rounded up by one ulp) sum to a hair
+    over ρ and must not fit (a relative tolerance of 1e-12 let such totals through)."""
+    from dpregistry.privacy.accountant import make_accountant
+    from dpregistry.privacy.events import ZCDP
+    from dpregistry.stages import Charge
+
+    rho = 0.1
+    acc = make_accountant("zcdp_fail", {"rho": rho})
+    third = math.nextafter(rho / 3, 1.0)
+    assert 3 * Fraction(third) > Fraction(rho)
+    assert not acc.fits([Charge(ZCDP(third), count=3)])
+    assert acc.fits([Charge(ZCDP(rho / 3), count=3)]) == (3 * Fraction(rho / 3) <= Fraction(rho))
+    assert acc.fits([Charge(ZCDP(rho))])

@@ -14,6 +14,7 @@ reported without its δ_fail. The ``safety_clip`` mode never charges it (determi
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar
@@ -84,10 +85,15 @@ class ZcdpFailAccountant(Accountant):
     Params = ZcdpFailParams
 
     @staticmethod
-    def _totals(groups) -> list[tuple[float, float]]:
-        """(ρ, γ) of every partition, each including the unpartitioned charges."""
+    def _totals(groups, exact: bool = False) -> list[tuple[float, float]]:
+        """(ρ, γ) of every partition, each including the unpartitioned charges; ``exact`` sums in
+        rationals, so that a budget decision is never a rounding over the budget."""
+        def num(x):  # an infinite cost stays a float (and over any budget)
+            return Fraction(x) if exact and math.isfinite(x) else float(x)
+
         def tot(c: Counter):
-            return (sum(n * event_rho(e) for e, n in c.items()), sum(n * event_failure(e) for e, n in c.items()))
+            return (sum(num(n) * num(event_rho(e)) for e, n in c.items()),
+                    sum(num(n) * num(event_failure(e)) for e, n in c.items()))
 
         base = tot(groups.get(None, Counter()))
         parts = [tot(c) for p, c in groups.items() if p is not None] or [(0.0, 0.0)]
@@ -114,7 +120,7 @@ class ZcdpFailAccountant(Accountant):
         if b.epsilon is not None and b.delta is not None:
             return self._epsilon(groups, b.delta) <= b.epsilon
         if b.rho is not None:  # a pure zCDP budget admits no failure probability
-            return all(g == 0 and r <= b.rho * (1 + 1e-12) for r, g in self._totals(groups))
+            return all(g == 0 and r <= b.rho for r, g in self._totals(groups, exact=True))
         raise UserError("the zcdp_fail accountant needs privacy.epsilon and privacy.delta (or privacy.rho)")
 
     def rho(self) -> float:
