@@ -7,9 +7,8 @@ accountants map them (see ``dpreg_accounting``).
 Sensitivity convention (one place, used everywhere): ``Gaussian.sensitivity`` is the largest L2
 distance between the mechanism's outputs on two neighbouring data sets, under the run's
 neighbouring relation. For a clipped sum with per-example bound C that is 2C under replace-one
-(all five papers) and C under add/remove. ``per_record_bound`` gives the per-example bound that
-the subsampled analyses need; it is sensitivity/2 under replace-one and the sensitivity itself
-under add/remove.
+(all five papers) and C under add/remove (``clipped_sum_sensitivity``). The subsampled analyses
+need the per-example bound: sensitivity/2 under replace-one, the sensitivity under add/remove.
 """
 
 from __future__ import annotations
