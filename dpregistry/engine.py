@@ -98,6 +98,7 @@ class Run:
         self.nonfinite_steps = 0
         self.displacement: Displacement | None = None
         self._noise_calls = 0
+        self._sampled_charge_step: int | None = None  # see charge()
         self._bytes_logged = 0
         self._iterate_snapshot: dict[str, torch.Tensor] | None = None
         self._log_window: list[dict[str, Any]] = []
@@ -252,6 +253,13 @@ class Run:
         return g
 
     def charge(self, events) -> list[Charge]:
+        if self.sampler.amplifies:
+            # A second release from the same secret batch, amplified on its own, would under-count:
+            # the releases of one batch are one sampled mechanism (Release.events holds them all).
+            if self._sampled_charge_step == self.step:
+                raise RuntimeError(f"step {self.step} charged twice on a {self.sampler.name!r} batch; charge every "
+                                   "release of a sampled batch in one Run.charge call")
+            self._sampled_charge_step = self.step
         charges = self.sampler.account(self.step, list(events), self)
         self.accountant.charge(charges, self.step)
         return charges

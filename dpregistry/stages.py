@@ -137,6 +137,9 @@ class Sampler(Stage):
     """Picks the records of each step, and says how the sampling amplifies (or partitions) privacy."""
 
     kind = "sampler"
+    #: True when ``account`` amplifies by the secrecy of the batch: every release from one batch
+    #: must then be charged together (one ``Run.charge`` per step), or each would be amplified alone.
+    amplifies: ClassVar[bool] = False
 
     def indices(self, step: int, run: "Run") -> torch.Tensor:
         raise NotImplementedError

@@ -4,6 +4,8 @@ spec §8B reference multipliers."""
 
 from __future__ import annotations
 
+import copy
+
 import dp_accounting as dpa
 import numpy as np
 import pytest
@@ -130,6 +132,25 @@ def test_releases_of_one_batch_are_sampled_together(sampler):
         apart = acc.epsilon(extra=[Charge(wrap(g1), count=100), Charge(wrap(g2), count=100)])
         assert got > apart or name == "zcdp"  # zCDP does not amplify: both are the same sum of ρ
 
+
+@pytest.mark.parametrize("sampler", ["poisson", "uniform"])
+def test_a_second_charge_on_one_sampled_batch_is_refused(sampler, tmp_path):
+    """Two Run.charge calls in one step would amplify each release alone, as if they read
+    independent batches; the run refuses the second instead of under-counting."""
+    from conftest import make_run
+
+    recipe = {"seed": 0, "algorithm": "dp_sgd",
+              "objective": {"name": "tabular", "model": {"kind": "linear"}, "data": {"dataset": "iris"}},
+              "sampler": {"name": sampler, "batch_size": 8}, "privatizer": {"clip": 1.0, "noise_multiplier": 2.0},
+              "privacy": {"epsilon": 50.0, "delta": 1e-3}, "train": {"steps": 3, "progress": False}}
+    run = make_run(recipe, tmp_path)
+    run.charge([Gaussian(2.0, 2.0)])
+    charged = copy.deepcopy(run.accountant.ledger.entries)
+    with pytest.raises(RuntimeError, match="charged twice"):
+        run.charge([Gaussian(2.0, 2.0)])
+    assert run.accountant.ledger.entries == charged
+    run.step += 1
+    run.charge([Gaussian(2.0, 2.0)])  # the next step's batch is a new one
 
 # ------------------------------------------------------------------------------------------
 # Opacus (add/remove, its convention)

@@ -56,6 +56,8 @@ class PoissonSampler(Sampler):
     def expected_batch_size(self, run):
         return self.q * self.n
 
+    amplifies = True
+
     def account(self, step, events, run):
         return sampled_together(events, lambda e: PoissonSampled(self.q, e))
 
@@ -159,6 +161,8 @@ class UniformSampler(Sampler):
 
     def expected_batch_size(self, run):
         return float(self.B)
+
+    amplifies = True
 
     def account(self, step, events, run):
         return sampled_together(events, lambda e: SampledWithoutReplacement(self.n, self.B, e))
