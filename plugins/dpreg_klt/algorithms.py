@@ -60,10 +60,7 @@ class KLTSinglePass(O2NCAlgorithm):
 
     def _common(self, run):
         d, n = self.view.dim, run.n_train
-        alpha, L = cfg(run.estimator, "smooth_radius"), cfg(run.estimator, "lipschitz")
-        if alpha is None or L is None:
-            raise UserError(f"algorithm {self.name!r} needs an estimator with smooth_radius and lipschitz",
-                            key="estimator")
+        alpha, L = self.smoothing(run)
         return d, n, alpha, L
 
     def resolve(self, run) -> Settings:
@@ -139,10 +136,7 @@ class KLTMultiPass(O2NCAlgorithm):
 
     def resolve(self, run) -> Settings:
         d, n = self.view.dim, run.n_train
-        alpha, L = cfg(run.estimator, "smooth_radius"), cfg(run.estimator, "lipschitz")
-        if alpha is None or L is None:
-            raise UserError(f"algorithm {self.name!r} needs an estimator with smooth_radius and lipschitz",
-                            key="estimator")
+        alpha, L = self.smoothing(run)
         D_t, T_t, _ = erm_settings(self.cfg.init_gap, alpha, L, self.cfg.stat_tol, d, self.cfg.d_rule)
         upd = run.update_rule
         D = D_t if is_auto(cfg(upd, "radius", "auto")) else float(cfg(upd, "radius"))

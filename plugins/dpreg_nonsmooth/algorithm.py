@@ -88,6 +88,14 @@ class O2NCAlgorithm(Algorithm):
 
     # -- shared helpers ------------------------------------------------------------------------
 
+    def smoothing(self, run) -> tuple[float, float]:
+        """(smoothing radius, Lipschitz constant) that the estimator declares; the theory needs both."""
+        radius, L = cfg(run.estimator, "smooth_radius"), cfg(run.estimator, "lipschitz")
+        if radius is None or L is None:
+            raise UserError(f"algorithm {self.name!r} needs an estimator with smooth_radius and lipschitz",
+                            key="estimator")
+        return radius, L
+
     def batches(self, run, b1_auto: int, b2_auto: int) -> tuple[int, int, bool]:
         """(B1, B2, single_pass) from the sampler: a batch schedule, or every record every step."""
         n = run.n_train

@@ -54,10 +54,7 @@ class ZTCTree(O2NCAlgorithm):
 
     def resolve(self, run) -> Settings:
         d, n = self.view.dim, run.n_train
-        delta, L = cfg(run.estimator, "smooth_radius"), cfg(run.estimator, "lipschitz")
-        if delta is None or L is None:
-            raise UserError(f"algorithm {self.name!r} needs an estimator with smooth_radius and lipschitz",
-                            key="estimator")
+        delta, L = self.smoothing(run)
         T = self.cfg.episode_len
         if is_auto(T):
             T = theory_T(d, L, delta, n, self.cfg.init_gap, ztc_rho(run.budget), self.cfg.t_rule)
@@ -91,10 +88,7 @@ class ZTCNaive(O2NCAlgorithm):
 
     def resolve(self, run) -> Settings:
         d, n = self.view.dim, run.n_train
-        delta, L = cfg(run.estimator, "smooth_radius"), cfg(run.estimator, "lipschitz")
-        if delta is None or L is None:
-            raise UserError(f"algorithm {self.name!r} needs an estimator with smooth_radius and lipschitz",
-                            key="estimator")
+        delta, L = self.smoothing(run)
         B = self.cfg.batch_size
         T = self.cfg.episode_len
         if is_auto(T):
