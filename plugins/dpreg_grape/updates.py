@@ -56,6 +56,13 @@ class _AdamMoments:
         self.t = {k: int(v) for k, v in s.get("t", {}).items()}
 
 
+def _released(params, release):
+    """(name, parameter, its released coordinates in the working dtype, its projector or None)."""
+    projectors = getattr(release.value, "projectors", {})
+    for k, x in params.items():
+        yield k, x, release.value.tensors[k].to(acc_dtype(x.dtype)), projectors.get(k)
+
+
 class ProjectedAdamParams(StageParams):
     lr: float = Field(gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -82,11 +89,7 @@ class ProjectedAdam(UpdateRule):
     @torch.no_grad()
     def apply(self, params, release, run):
         run.undo_displacement()
-        agg = release.value
-        projectors = getattr(agg, "projectors", {})
-        for k, x in params.items():
-            g = agg.tensors[k].to(acc_dtype(x.dtype))
-            pr = projectors.get(k)
+        for k, x, g, pr in _released(params, release):
             if pr is not None:
                 if self.cfg.moment_policy == "reset" and self.seen.get(k, pr.seed) != pr.seed:
                     self.moments.reset(k)
@@ -118,11 +121,7 @@ class ProjectedSGD(UpdateRule):
     @torch.no_grad()
     def apply(self, params, release, run):
         run.undo_displacement()
-        agg = release.value
-        projectors = getattr(agg, "projectors", {})
-        for k, x in params.items():
-            g = agg.tensors[k].to(acc_dtype(x.dtype))
-            pr = projectors.get(k)
+        for _, x, g, pr in _released(params, release):
             if pr is not None:
                 g = pr.back(g)
             x.sub_((self.cfg.lr * g).to(x.dtype))
