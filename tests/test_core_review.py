@@ -27,6 +27,27 @@ def dp_sgd(**over):
 # -- a stated budget is enforced, or the recipe is refused ------------------------------------
 
 
+def two_ranks():
+    """Comm classes for two ranks run one after the other in this process (rank 0 first): a
+    broadcast hands rank 0's object to rank 1, and no other collective is needed."""
+    from dpregistry.engine import LocalComm
+
+    channel = {}
+
+    class TwoRanks(LocalComm):
+        world_size = 2
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        def broadcast_object(self, obj, src=0):
+            if self.rank == src:
+                channel["obj"] = obj
+            return channel["obj"]
+
+    return TwoRanks
+
+
 def test_an_epsilon_without_delta_is_refused_not_ignored(tmp_path):
     """privacy.epsilon alone is no (ε, δ) budget: it used to be silently dropped, so 200 steps at
     z = 0.5 (ε in the hundreds at any δ) ran under "epsilon: 0.01" with no check at all."""
@@ -159,22 +180,11 @@ def test_secure_mode_ranks_draw_the_same_secret_batch(tmp_path):
     cannot catch a disagreement: ranks all-reduce one sum either way.)"""
     import torch
 
-    from dpregistry.engine import LocalComm, Run
+    from dpregistry.engine import Run
     from dpregistry.recipe import load
     from conftest import write_recipe
 
-    channel = {}
-
-    class TwoRanks(LocalComm):
-        world_size = 2
-
-        def __init__(self, rank):
-            self.rank = rank
-
-        def broadcast_object(self, obj, src=0):
-            if self.rank == src:
-                channel["obj"] = obj
-            return channel["obj"]
+    TwoRanks = two_ranks()
 
     recipe = load(write_recipe(tmp_path, dict(dp_sgd(), privacy={"epsilon": 8.0, "delta": 1e-3,
                                                                   "secure_noise": True})))
@@ -296,23 +306,12 @@ def test_ranks_with_different_noise_keys_are_refused(tmp_path, monkeypatch):
     """Keyed batches and noise derive from DPREG_NOISE_KEY on every rank: a rank with another key
     (or none) would cut its shard from another batch (a record could be summed on two ranks, twice
     the sensitivity) and add other noise."""
-    from dpregistry.engine import LocalComm, Run
+    from dpregistry.engine import Run
     from dpregistry.recipe import load
     from dpregistry.rng import NOISE_KEY_ENV
     from conftest import write_recipe
 
-    channel = {}
-
-    class TwoRanks(LocalComm):
-        world_size = 2
-
-        def __init__(self, rank):
-            self.rank = rank
-
-        def broadcast_object(self, obj, src=0):
-            if self.rank == src:
-                channel["obj"] = obj
-            return channel["obj"]
+    TwoRanks = two_ranks()
 
     recipe = load(write_recipe(tmp_path, dp_sgd()))
     monkeypatch.setenv(NOISE_KEY_ENV, "k1")
@@ -354,22 +353,11 @@ def test_ranks_with_different_recipes_are_refused(tmp_path):
     """Every rank loads the recipe itself (on several nodes, from its own file): a rank with a larger
     clip would add a larger clipped sum to the all-reduce, unaccounted for, and since every rank
     applies the same reduced update, the parameter checksums would never show it."""
-    from dpregistry.engine import LocalComm, Run
+    from dpregistry.engine import Run
     from dpregistry.recipe import load
     from conftest import write_recipe
 
-    channel = {}
-
-    class TwoRanks(LocalComm):
-        world_size = 2
-
-        def __init__(self, rank):
-            self.rank = rank
-
-        def broadcast_object(self, obj, src=0):
-            if self.rank == src:
-                channel["obj"] = obj
-            return channel["obj"]
+    TwoRanks = two_ranks()
 
     recipe = load(write_recipe(tmp_path, dp_sgd()))
     Run(recipe, None, comm=TwoRanks(0)).prepare()
