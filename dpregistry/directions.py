@@ -26,7 +26,7 @@ from .rng import derive
 CHUNK = 1 << 20  # elements per chunk (and per generator); fixed, so that regeneration is bit-identical
 DISTRIBUTIONS = ("gaussian", "sphere")
 
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (threads, the pool)
 _scratch = threading.local()  # one reused chunk buffer per thread and dtype: a sweep allocates nothing
 
 
@@ -57,9 +57,9 @@ def _map(fn: Callable, tensors: list[torch.Tensor]) -> list:
     threads = torch.get_num_threads()
     if threads <= 1 or len(items) <= 1 or any(t.device.type != "cpu" for t in tensors):
         return [run(it) for it in items]
-    if _pool is None or _pool._max_workers != threads:
-        _pool = ThreadPoolExecutor(threads, thread_name_prefix="dpreg-directions")
-    return list(_pool.map(run, items))
+    if _pool is None or _pool[0] != threads:
+        _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="dpreg-directions"))
+    return list(_pool[1].map(run, items))
 
 
 @dataclass(frozen=True)
