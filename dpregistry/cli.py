@@ -274,6 +274,7 @@ def _train(run, quiet: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     total = run.total_steps
+    caveat = "" if run.rng.guarantee else " (no guarantee: reproducible noise)"
     state = {"t0": time.time(), "s0": run.step, "loss": float("nan"), "eps": run.epsilon()}
     if quiet or not run.recipe.train.progress:
         return run.train()
@@ -292,7 +293,7 @@ def _train(run, quiet: bool):
             dt = max(time.time() - state["t0"], 1e-9)
             eps = state["eps"]
             prog.update(task, completed=r.step, rate=(r.step - state["s0"]) / dt, loss=state["loss"],
-                        eps="-" if eps is None else f"{eps:.3g}")
+                        eps="-" if eps is None else f"{eps:.3g}{caveat}")
 
         return run.train(progress=update)
 
@@ -309,9 +310,10 @@ def _print_summary(summary: dict, out: Path | None) -> None:
         t.add_row("zCDP", f"ρ = {summary['rho']:.4g}" + (f" of {target:.4g}" if target is not None else ""))
     if summary.get("noise_multiplier") is not None:
         t.add_row("noise multiplier", f"{summary['noise_multiplier']:.4g}")
-    if summary.get("noise") == "seeded" and summary.get("epsilon") not in (None, float("inf")):
-        t.add_row("noise", "derived from the recipe seed: reproducible, not secret (for a release set "
-                           "privacy.secure_noise: true or DPREG_NOISE_KEY)")
+    if summary.get("noise"):
+        from .rng import noise_statement
+
+        t.add_row("noise", noise_statement(summary["noise"]))
     t.add_row("steps", str(summary["step"]))
     for k, v in (summary.get("metrics") or {}).items():
         label = k.replace("_", " ") if k.startswith("train") else f"held-out {k}"
@@ -628,6 +630,10 @@ def privacy_report(run_dir: Path,
     if rep.get("rho") is not None:
         head += f"; ρ = {rep['rho']:.4g}" + (f" of {rep['target_rho']:.4g}" if rep.get("target_rho") else "")
     console.print(head)
+    if rep.get("noise"):
+        from .rng import noise_statement
+
+        console.print(f"noise {rep['noise']}: {noise_statement(rep['noise'])}")
     if rep.get("noise_multiplier") is not None:
         console.print(f"noise multiplier {rep['noise_multiplier']:.6g}")
     t = Table("steps", "count", "partition", "event", title="ledger")

@@ -131,14 +131,3 @@ class TorchComm:
         if len(set(digests)) != 1:
             raise RuntimeError(f"replicas drifted at step {step}: parameter checksums differ across ranks")
 
-
-class BroadcastNoise:
-    """Secure-mode noise in a multi-process run: drawn on rank 0, identical everywhere."""
-
-    def __init__(self, inner, comm: TorchComm):
-        self.inner, self.comm = inner, comm
-
-    def randn(self, shape, dtype=torch.float32, device="cpu"):
-        z = self.inner.randn(shape, dtype=dtype, device=device) if self.comm.rank == 0 else \
-            torch.empty(shape, dtype=dtype, device=device)
-        return self.comm.broadcast_(z, 0)

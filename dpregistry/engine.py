@@ -85,7 +85,10 @@ class Run:
         p = recipe.privacy
         self.budget = Budget(p.epsilon, p.delta, p.rho, p.relation)
         self.relation = p.relation
-        self.rng = RunRNG(recipe.seed, p.secure_noise)
+        try:
+            self.rng = RunRNG(recipe.seed, p.noise)
+        except UserError as e:
+            raise UserError(e.message, file=recipe.source, **_key(recipe, "privacy", "noise")) from None
         try:
             self._device = torch.device(recipe.train.device)
             self._device_checked = False
@@ -147,9 +150,10 @@ class Run:
         return self
 
     def _check_ranks_share_the_noise_key(self) -> None:
-        """Ranks resolve one recipe (checked first) and share the noise key. Keyed noise and batches
-        derive from DPREG_NOISE_KEY on every rank: a rank with another key
-        (or none) would add other noise and cut its shard from another batch (a record summed twice)."""
+        """Ranks resolve one recipe (checked first) and share the noise key: a rank with another key
+        would add other noise and cut its shard from another batch (a record summed twice). A secure
+        run's key is drawn by rank 0 and sent to the others once, here; keyed runs derive it from
+        DPREG_NOISE_KEY on every rank, which must agree."""
         if self.comm.world_size == 1:
             return
         # Each rank loads the recipe itself (on several nodes, from its own copy): a rank with another
@@ -164,6 +168,8 @@ class Run:
         if self.comm.any_flag(differs):
             raise UserError(f"the ranks do not share one DPREG_NOISE_KEY (rank {self.comm.rank}: "
                             f"{'a different key' if differs else 'as rank 0'}); give every rank the same key")
+        if self.rng.noise_mode == "secure":
+            self.rng = RunRNG(self.recipe.seed, "secure", key=self.comm.broadcast_object(self.rng.key))
 
     @property
     def device(self) -> torch.device:
@@ -233,24 +239,15 @@ class Run:
     # ------------------------------------------------------------------ step services
 
     def noise(self):
-        """The secret noise source of the next release in this step (identical on every rank)."""
+        """The secret noise of the next release in this step (identical on every rank)."""
         src = self.rng.noise(self.step, self._noise_calls)
         self._noise_calls += 1
-        if self.rng.secure_noise and self.comm.world_size > 1:
-            from .distributed import BroadcastNoise
-
-            src = BroadcastNoise(src, self.comm)
         return src
 
-    def sampling_generator(self, purpose: str, step: int, *extra) -> torch.Generator:
-        """The generator of a sampler whose privacy amplification needs its batches kept secret
-        (as secret as the noise: see :mod:`dpregistry.rng`); the same on every rank."""
-        seed = self.rng.sampling_seed(purpose, step, *extra)
-        if self.rng.secure_noise and self.comm.world_size > 1:
-            seed = self.comm.broadcast_object(seed)  # OS entropy differs per rank: rank 0 decides
-        g = torch.Generator()
-        g.manual_seed(seed)
-        return g
+    def secret(self, purpose: str, step: int, *extra):
+        """Secret randomness other than noise, such as the batches whose secrecy privacy
+        amplification assumes (see :mod:`dpregistry.rng`); the same on every rank."""
+        return self.rng.secret(purpose, step, *extra)
 
     def charge(self, events) -> list[Charge]:
         if self.sampler.amplifies:
@@ -349,7 +346,7 @@ class Run:
                     window.clear()
                     if evaluate:
                         row.update({f"eval/{k}": v for k, v in self.objective.evaluate().items()})
-                        if self.rng.secure_noise and not last:
+                        if not self.rng.replayable and not last:
                             # Held-out metrics reveal this step's releases. With secure noise a resume
                             # redraws the noise of steps after its checkpoint, so checkpoint (and charge)
                             # them before anything that depends on them is written.
@@ -430,6 +427,7 @@ class Run:
             "relation": self.relation,
             "noise_multiplier": getattr(self.privatizer, "noise_multiplier", None),
             "noise": self.rng.noise_mode,
+            "guarantee": self.rng.guarantee,
             "metrics": metrics,
             "wall_seconds": time.time() - t0,
             "stopped": self.stop_reason,
@@ -491,12 +489,13 @@ class Run:
         if meta["recipe_hash"] != self.recipe.hash:
             raise UserError("the checkpoint was written by a different recipe; resuming would change the "
                             "results or the privacy guarantee", key="recipe")
-        noise = meta.get("noise") or {"mode": "seeded"}
-        if noise["mode"] == "keyed" and noise.get("key_fingerprint") != self.rng.noise_fingerprint:
+        noise = meta.get("noise") or {}
+        if noise.get("mode") != self.rng.noise_mode:
+            raise UserError(f"the checkpoint's noise mode {noise.get('mode')!r} is not the recipe's "
+                            f"{self.rng.noise_mode!r}; the checkpoint was not written by this run")
+        if noise.get("key_fingerprint") != self.rng.noise_fingerprint:
             raise UserError("the run's privacy noise was keyed: set DPREG_NOISE_KEY to the same secret key to "
                             "resume it (a different key would change the noise of the remaining steps)")
-        if noise["mode"] == "seeded" and self.rng.noise_mode == "keyed":
-            raise UserError("the run's noise derives from its seed, but DPREG_NOISE_KEY is set; unset it to resume")
         with torch.no_grad():
             for k, v in self.params.items():
                 v.copy_(tensors[f"params/{k}"].to(v.device, v.dtype))
@@ -674,6 +673,10 @@ def resume_run(out_dir: Path, *, comm=None, console=None, warn=print) -> Run:
     if not (isinstance(stored, dict) and isinstance(stored.get("recipe"), dict)
             and isinstance(stored.get("recipe_hash"), str)):
         raise UserError("unreadable recipe.json (not the one `dpreg run` wrote)", file=str(rpath))
+    if "secure_noise" in (stored["recipe"].get("privacy") or {}):
+        raise UserError("this run was started by an earlier dpregistry (privacy.secure_noise, before the noise "
+                        "modes); it cannot be resumed by this version, whose noise and ledger checks differ: start "
+                        "it again", file=str(rpath))
     recipe = resolve(stored["recipe"], {}, get_registry(), source=str(rpath))
     if recipe.hash != stored["recipe_hash"]:
         raise UserError("the installed stages resolve this recipe differently than when the run started "

@@ -197,7 +197,9 @@ class PrivacySection(_Strict):
     delta: float | None = Field(default=None, gt=0, lt=1, description="target δ (must be < 1/n)")
     rho: float | None = Field(default=None, gt=0, description="target ρ (zCDP)")
     relation: Literal["replace_one", "add_remove"] = "replace_one"
-    secure_noise: bool = Field(default=False, description="privacy noise from the OS entropy (not reproducible)")
+    noise: Literal["secure", "keyed", "reproducible"] = Field(
+        default="secure", description="secure: a key from OS entropy (default); keyed: DPREG_NOISE_KEY; "
+                                      "reproducible: from the seed, no privacy guarantee")
 
     @model_validator(mode="after")
     def _epsilon_needs_delta(self):
@@ -398,6 +400,10 @@ def resolve(data: dict[str, Any], locs: dict[tuple, Loc], registry: Registry, so
         stages[kind] = (entry, p)
         resolved[section] = {"name": entry.name, **p.model_dump(mode="json", by_alias=True)}
 
+    if isinstance(data.get("privacy"), dict) and "secure_noise" in data["privacy"]:
+        write = "noise: secure (the default)" if data["privacy"]["secure_noise"] else "noise: reproducible"
+        raise UserError(f"privacy.secure_noise was replaced by privacy.noise: secure | keyed | reproducible; "
+                        f"write privacy.{write}", **{"file": file, **_where(locs, ("privacy", "secure_noise"))})
     try:
         privacy = PrivacySection.model_validate(data.get("privacy") or {})
     except ValidationError as e:

@@ -12,6 +12,7 @@ from . import checkpoint as ckpt
 from .errors import UserError
 from .privacy.accountant import Accountant, Ledger, make_accountant
 from .privacy.events import PrivacyEvent
+from .rng import noise_statement
 
 PLOT_NAME = "privacy_epsilon.png"
 
@@ -107,6 +108,7 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
         "relation": privacy["relation"], "epsilon": spent.get("epsilon"), "delta": privacy.get("delta"),
         "target_epsilon": privacy.get("epsilon"), "rho": spent.get("rho"), "target_rho": spent.get("target_rho"),
         "noise_multiplier": meta.get("noise_multiplier"), "charges": acc.ledger.n_charges,
+        "noise": privacy.get("noise"), "guarantee": privacy.get("noise") != "reproducible",
         "ledger": ledger, "spent_label": label, "spent_over_steps": curve,
         "epsilon_over_steps": curve if acc.budget.delta is not None else [],
         "plot": str(plot_path) if plot_path else None,
@@ -205,7 +207,8 @@ def write_report(run_dir: Path) -> list[Path]:
         lines += [f"| ρ spent | {_num(summary.get('rho'))} |", f"| target ρ | {_num(recipe['privacy'].get('rho'))} |"]
     lines += [f"| accountant | {rep['accountant']} |", f"| neighbouring relation | {rep['relation']} |",
               f"| noise multiplier | {_num(rep['noise_multiplier'])} |", f"| steps | {rep['step']} |",
-              f"| secure noise | {recipe['privacy'].get('secure_noise', False)} |", ""]
+              f"| noise | {recipe['privacy'].get('noise')}: {noise_statement(recipe['privacy'].get('noise'))} |",
+              ""]
     lines += ["Charges (the privacy ledger):", ""]
     for e in rep["ledger"]:
         part = f", partition {e['partition']}" if e.get("partition") else ""

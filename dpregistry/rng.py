@@ -1,32 +1,38 @@
 """Randomness, split into public and secret streams.
 
 Everything public (shuffled and single-pass batches, directions, projectors, O2NC's random
-points, the output iterate) is a pure function of the run seed, a purpose and the step: a replica or a resumed run
-regenerates it from the step alone, and logs can name the seeds.
+points, the output iterate) is a pure function of the run seed, a purpose and the step: a replica
+or a resumed run regenerates it from the step alone, and logs can name the seeds.
 
-Privacy noise comes from a separate key, in one of three modes (``RunRNG.noise_mode``). So does
-the sampling that privacy amplification rests on (Poisson membership, uniformly drawn batches:
-``sampling_seed``): an adversary who can regenerate the batches knows when a record was used, and
-the amplified guarantee no longer holds. It is as secret as the noise in each mode:
+The privacy noise and the sampling that amplification rests on (Poisson membership, uniformly
+drawn batches) are secret: an adversary who can regenerate the noise subtracts it, and one who
+can regenerate the batches knows when a record was used. They come from :meth:`RunRNG.secret`, in
+one of three modes (``privacy.noise``):
 
-* ``seeded`` (default): the key is derived one-way (SHA-256) from the run seed under its own
-  domain, so no public step seed determines it (DPZero spec §7, coupling 6: the released code
-  derived the noise from the direction seed). Runs reproduce bit for bit, but anyone who knows the
-  recipe's seed can regenerate the noise: fine for research, not for a release.
-* ``keyed``: the key is the secret in the environment variable ``DPREG_NOISE_KEY``. The run
-  reproduces for whoever holds the key and for nobody else; checkpoints store only a fingerprint
-  of it, and a resume must be given the same key.
-* ``secure`` (``privacy.secure_noise: true``): every draw comes from the operating system's
-  entropy (dpregistry.secure_noise); nothing but the noise and the sampled batches changes
-  between runs.
+* ``secure`` (default): a 256-bit key from the operating system's entropy, drawn when the run
+  (or a resume) starts and never written anywhere; AES-256-CTR streams under it
+  (:mod:`dpregistry.privacy.secret`). A resumed run continues with a fresh key.
+* ``keyed``: the key derives from the secret in ``DPREG_NOISE_KEY`` (at least 128 bits of
+  entropy). The run reproduces bit for bit for whoever holds the key; checkpoints keep only an
+  HMAC fingerprint of it, and a resume must be given the same key.
+* ``reproducible``: torch's generator seeded from the recipe's seed, for research and tests. Anyone
+  with the recipe can regenerate the noise and subtract it, so the ε is no privacy guarantee.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 
 import torch
+
+from .errors import UserError
+from .privacy.secret import CipherStream, SecretStream, SeededStream, fingerprint, new_key, subkey
+
+NOISE_KEY_ENV = "DPREG_NOISE_KEY"
+NOISE_MODES = ("secure", "keyed", "reproducible")
+MAKE_A_KEY = 'python -c "import secrets; print(secrets.token_hex(32))"'
 
 
 def derive(*parts: object) -> int:
@@ -35,85 +41,79 @@ def derive(*parts: object) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
-NOISE_KEY_ENV = "DPREG_NOISE_KEY"
+def key_from_env(text: str | None) -> bytes:
+    """The 256-bit run key of ``keyed`` mode, from DPREG_NOISE_KEY; refuses a key with less than 128
+    bits of entropy: at least 32 hex digits, or 22 base64 characters."""
+    if not text:
+        raise UserError(f"privacy.noise: keyed needs the secret key in {NOISE_KEY_ENV}; make one with {MAKE_A_KEY}")
+    text = text.strip()
+    hexadecimal = re.fullmatch(r"[0-9a-fA-F]+", text) is not None
+    base64 = re.fullmatch(r"[A-Za-z0-9+/_-]+={0,2}", text) is not None
+    strong = (len(text) >= 32 if hexadecimal else base64 and len(text.rstrip("=")) >= 22) and len(set(text)) >= 8
+    if not strong:
+        raise UserError(f"{NOISE_KEY_ENV} is too weak for a secret noise key (it needs at least 128 random bits: "
+                        f"32 hex digits or 22 base64 characters); make one with {MAKE_A_KEY}")
+    return subkey(b"dpregistry-keyed-noise", text)
 
 
 class RunRNG:
-    def __init__(self, seed: int, secure_noise: bool = False, noise_key: str | None = None):
+    def __init__(self, seed: int, mode: str = "secure", key: bytes | None = None):
+        """``key``: the secret key of a secure run shared by rank 0 (default: a fresh one), or of
+        a keyed run (default: from DPREG_NOISE_KEY)."""
+        if mode not in NOISE_MODES:
+            raise ValueError(f"noise mode {mode!r}")
         self.seed = int(seed)
-        self.secure_noise = secure_noise
-        if noise_key is None:
-            noise_key = os.environ.get(NOISE_KEY_ENV) or None
-        if secure_noise:
-            self.noise_mode = "secure"
-            self._noise_key = os.urandom(32).hex()  # never written anywhere
-        elif noise_key:
-            self.noise_mode = "keyed"
-            self._noise_key = hashlib.sha256(f"dpregistry-noise-key\x1f{noise_key}".encode()).hexdigest()
+        self.noise_mode = mode
+        if mode == "secure":
+            self._key = key or new_key()
+        elif mode == "keyed":
+            self._key = key or key_from_env(os.environ.get(NOISE_KEY_ENV))
         else:
-            self.noise_mode = "seeded"
-            self._noise_key = hashlib.sha256(f"dpregistry-noise\x1f{self.seed}".encode()).hexdigest()
+            self._key = None
+
+    @property
+    def guarantee(self) -> bool:
+        """Whether the noise is secret, so the reported ε is a privacy guarantee."""
+        return self.noise_mode != "reproducible"
+
+    @property
+    def replayable(self) -> bool:
+        """Whether a resumed run redraws the same noise (not in secure mode: the key is new)."""
+        return self.noise_mode != "secure"
+
+    @property
+    def key(self) -> bytes | None:
+        """The secret key (to share with the other ranks once, when the run starts)."""
+        return self._key
 
     @property
     def noise_fingerprint(self) -> str | None:
-        """Identifies a keyed noise key without revealing it (stored in checkpoints)."""
-        if self.noise_mode != "keyed":
-            return None
-        return hashlib.sha256(f"dpregistry-noise-fingerprint\x1f{self._noise_key}".encode()).hexdigest()[:16]
+        """Identifies a keyed run's key without revealing it (stored in checkpoints)."""
+        return fingerprint(self._key) if self.noise_mode == "keyed" else None
 
     def step_seed(self, purpose: str, step: int, *extra: object) -> int:
         """Public seed for ``purpose`` at ``step``."""
         return derive("dpregistry-public", self.seed, purpose, step, *extra)
-
-    def sampling_seed(self, purpose: str, step: int, *extra: object) -> int:
-        """Seed of the batch sampling at ``step`` whose secrecy the amplified accounting assumes.
-
-        Seeded mode: the public seed (nothing is secret from the recipe seed in that mode, and
-        runs keep their batches). Keyed: derived from the secret key. Secure: fresh OS entropy."""
-        if self.noise_mode == "seeded":
-            return self.step_seed(purpose, step, *extra)
-        if self.noise_mode == "keyed":
-            return derive("dpregistry-sampling", self._noise_key, purpose, step, *extra)
-        return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
 
     def generator(self, purpose: str, step: int, *extra: object, device="cpu") -> torch.Generator:
         g = torch.Generator(device=device)
         g.manual_seed(self.step_seed(purpose, step, *extra))
         return g
 
-    def noise(self, step: int, call: int = 0) -> "NoiseSource":
-        """Secret source of the privacy noise of release number ``call`` within ``step``."""
-        if self.secure_noise:
-            return SecureNoise()
-        return SeededNoise(derive("dpregistry-noise", self._noise_key, step, call))
+    def secret(self, purpose: str, step: int, *extra: object) -> SecretStream:
+        """The secret stream of ``purpose`` at ``step`` (identical on every rank that holds the key)."""
+        if self._key is None:
+            return SeededStream(derive("dpregistry-noise", self.seed, purpose, step, *extra))
+        return CipherStream(subkey(self._key, "dpregistry-secret", purpose, step, *extra))
+
+    def noise(self, step: int, call: int = 0) -> SecretStream:
+        """The privacy noise of release number ``call`` within ``step``."""
+        return self.secret("noise", step, call)
 
 
-class NoiseSource:
-    """Draws standard Gaussian noise; privatizers never see where it comes from."""
-
-    def randn(self, shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
-        raise NotImplementedError
-
-
-class SeededNoise(NoiseSource):
-    """Reproducible noise from a secret seed (default mode: bitwise resume and replay)."""
-
-    def __init__(self, seed: int):
-        self.seed = seed
-        self._gens: dict[str, torch.Generator] = {}
-
-    def randn(self, shape, dtype=torch.float32, device="cpu"):
-        key = str(torch.device(device))
-        if key not in self._gens:
-            g = torch.Generator(device=device)
-            g.manual_seed(self.seed)
-            self._gens[key] = g
-        return torch.randn(shape, generator=self._gens[key], dtype=dtype, device=device)
-
-
-class SecureNoise(NoiseSource):
-    """Noise from the operating system's entropy (see :mod:`dpregistry.secure_noise`)."""
-
-    def randn(self, shape, dtype=torch.float32, device="cpu"):
-        from .secure_noise import secure_randn
-        return secure_randn(shape, dtype=dtype, device=device)
+def noise_statement(mode: str) -> str:
+    """What the noise mode means for the reported ε, in words (summary, report, model card)."""
+    return {"secure": "secret: drawn under a fresh key from the operating system's entropy, never stored",
+            "keyed": "secret: drawn under the key in DPREG_NOISE_KEY (reproducible only with that key)",
+            "reproducible": "reproducible from the recipe seed: the ε is NOT a privacy guarantee, since anyone "
+                            "with the recipe can regenerate the noise and subtract it"}[mode]

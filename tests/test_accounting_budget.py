@@ -33,7 +33,7 @@ def recipe(**over):
         "privatizer": {"clip": CLIP, "noise_multiplier": "auto"},
         "update": {"lr": 0.05},
         "accountant": "rdp",
-        "privacy": {"epsilon": 2.0, "delta": 1e-5},
+        "privacy": {"epsilon": 2.0, "delta": 1e-5, "noise": "reproducible"},
         "train": {"steps": STEPS, "log_every": 5, "checkpoint_every": 5, "keep_checkpoints": 10, "progress": False},
     }
     for k, v in over.items():

@@ -20,7 +20,7 @@ RECIPE = {
     "sampler": {"name": "poisson", "batch_size": 16},
     "privatizer": {"clip": 1.0, "noise_multiplier": "auto"},
     "update": {"lr": 0.01},
-    "privacy": {"epsilon": 8.0, "delta": 1e-3},
+    "privacy": {"epsilon": 8.0, "delta": 1e-3, "noise": "reproducible"},
     "train": {"steps": 12, "log_every": 2, "checkpoint_every": 3, "keep_checkpoints": 10},
 }
 

@@ -114,17 +114,18 @@ def test_noise_has_the_calibrated_scale(tmp_path):
     assert ev.std == 1.3 * 0.7 and ev.sensitivity == 1.4 and math.isclose(ev.noise_multiplier, 1.3 / 2)
 
 
-def test_noise_is_secret_from_the_public_seeds():
-    rng = RunRNG(seed=11)
+@pytest.mark.parametrize("mode", ["reproducible", "secure"])
+def test_noise_is_not_any_public_seed_stream(mode):
+    rng = RunRNG(seed=11, mode=mode)
     noise = rng.noise(step=3).randn((1000,))
     public = [rng.step_seed(p, 3) for p in ("direction", "poisson", "shuffle", "init")] + [11, 3]
     for s in public:  # no public seed of this step reproduces the noise
         g = torch.Generator().manual_seed(s)
         assert not torch.equal(noise, torch.randn(1000, generator=g))
-    assert torch.equal(noise, rng.noise(step=3).randn((1000,)))  # reproducible from the secret key
+    assert torch.equal(noise, rng.noise(step=3).randn((1000,)))  # a function of the key, step and call
     assert not torch.equal(noise, rng.noise(step=4).randn((1000,)))
-    secure = RunRNG(seed=11, secure_noise=True)
-    assert not torch.equal(secure.noise(3).randn((1000,)), secure.noise(3).randn((1000,)))
+    one, two = RunRNG(seed=11), RunRNG(seed=11)  # secure: a fresh key per run
+    assert not torch.equal(one.noise(3).randn((1000,)), two.noise(3).randn((1000,)))
 
 
 class Tiny(torch.nn.Module):

@@ -27,23 +27,32 @@ def dp_sgd(**over):
 # -- a stated budget is enforced, or the recipe is refused ------------------------------------
 
 
+KEY_A, KEY_B = "0123456789abcdef" * 2, "fedcba9876543210" * 2
+
+
 def two_ranks():
-    """Comm classes for two ranks run one after the other in this process (rank 0 first): a
-    broadcast hands rank 0's object to rank 1, and no other collective is needed."""
+    """Comm classes for two ranks run one after the other in this process (rank 0 first): the k-th
+    broadcast of a rank 1 receives the k-th broadcast of the latest rank 0; no other collective is
+    needed."""
     from dpregistry.engine import LocalComm
 
-    channel = {}
+    sent = []
 
     class TwoRanks(LocalComm):
         world_size = 2
 
         def __init__(self, rank):
             self.rank = rank
+            self.broadcasts = 0
+            if rank == 0:
+                sent.clear()
 
         def broadcast_object(self, obj, src=0):
+            self.broadcasts += 1
             if self.rank == src:
-                channel["obj"] = obj
-            return channel["obj"]
+                sent.append(obj)
+                return obj
+            return sent[self.broadcasts - 1]
 
     return TwoRanks
 
@@ -96,6 +105,8 @@ def test_exact_shuffle_accounting_is_refused_under_add_remove(tmp_path):
     with pytest.raises(UserError, match="replace.one") as e:
         make_run(dict(shuffle_recipe(), privacy={"epsilon": 50.0, "delta": 1e-3, "relation": "add_remove"}), tmp_path)
     assert e.value.key.startswith("sampler") or e.value.key.startswith("privacy")
+
+
     # the heuristic mode makes no such claim and stays available
     make_run(dict(shuffle_recipe(accounting="poisson_heuristic"),
                   privacy={"epsilon": 50.0, "delta": 1e-3, "relation": "add_remove"}), tmp_path)
@@ -132,7 +143,7 @@ def public_batch(recipe, n, step):
 
     from dpregistry.rng import RunRNG
 
-    g = RunRNG(recipe["seed"]).generator(recipe["sampler"]["name"], step)
+    g = RunRNG(recipe["seed"], "reproducible").generator(recipe["sampler"]["name"], step)
     if recipe["sampler"]["name"] == "poisson":
         return (torch.rand(n, generator=g) < recipe["sampler"]["batch_size"] / n).nonzero().squeeze(1)
     return torch.randperm(n, generator=g)[:recipe["sampler"]["batch_size"]]
@@ -144,8 +155,8 @@ SAMPLED = [dp_sgd(), dp_sgd(sampler={"name": "uniform", "batch_size": 16}, priva
 @pytest.mark.parametrize("recipe", SAMPLED, ids=["poisson", "uniform"])
 def test_keyed_and_secure_modes_sample_batches_nobody_can_regenerate_from_the_recipe(recipe, tmp_path, monkeypatch):
     """The accountant charges amplified events (PoissonSampled, SampledWithoutReplacement), which
-    hold only if the batch is hidden. In keyed and secure modes the batches came from the public
-    recipe seed, so anyone holding the recipe knew when each record was used."""
+    hold only if the batch is hidden: in keyed and secure modes the batches come from the secret key,
+    never from the public recipe seed."""
     import torch
 
     from dpregistry.rng import NOISE_KEY_ENV
@@ -153,31 +164,31 @@ def test_keyed_and_secure_modes_sample_batches_nobody_can_regenerate_from_the_re
     def batches(run):
         return [run.sampler.indices(t, run) for t in range(4)]
 
-    seeded = make_run(recipe, tmp_path)
-    n = seeded.n_train
-    public = [public_batch(recipe, n, t) for t in range(4)]
-    # default mode: nothing is secret from the seed (the summary says so), batches unchanged
-    assert all(torch.equal(a, b) for a, b in zip(batches(seeded), public))
+    def mode(name):
+        return dict(recipe, privacy=dict(recipe["privacy"], noise=name))
 
-    monkeypatch.setenv(NOISE_KEY_ENV, "k1")
-    keyed = batches(make_run(recipe, tmp_path))
+    n = make_run(mode("reproducible"), tmp_path).n_train
+    public = [public_batch(recipe, n, t) for t in range(4)]
+    assert all(abs(len(b) - recipe["sampler"]["batch_size"]) < 12 for b in public)
+
+    monkeypatch.setenv(NOISE_KEY_ENV, KEY_A)
+    keyed = batches(make_run(mode("keyed"), tmp_path))
     assert not any(torch.equal(a, b) for a, b in zip(keyed, public))
-    assert all(torch.equal(a, b) for a, b in zip(keyed, batches(make_run(recipe, tmp_path))))  # reproducible
-    monkeypatch.setenv(NOISE_KEY_ENV, "k2")
-    assert not any(torch.equal(a, b) for a, b in zip(keyed, batches(make_run(recipe, tmp_path))))
+    assert all(torch.equal(a, b) for a, b in zip(keyed, batches(make_run(mode("keyed"), tmp_path))))  # reproducible
+    monkeypatch.setenv(NOISE_KEY_ENV, KEY_B)
+    assert not any(torch.equal(a, b) for a, b in zip(keyed, batches(make_run(mode("keyed"), tmp_path))))
     monkeypatch.delenv(NOISE_KEY_ENV)
 
-    secure = dict(recipe, privacy=dict(recipe["privacy"], secure_noise=True))
-    one, two = batches(make_run(secure, tmp_path)), batches(make_run(secure, tmp_path))
+    one, two = batches(make_run(mode("secure"), tmp_path)), batches(make_run(mode("secure"), tmp_path))
     assert not any(torch.equal(a, b) for a, b in zip(one, public))
     assert not any(torch.equal(a, b) for a, b in zip(one, two))
 
 
-
-def test_secure_mode_ranks_draw_the_same_secret_batch(tmp_path):
+def test_secure_mode_ranks_share_the_key_once_and_draw_the_same_batches_and_noise(tmp_path):
     """In secure mode each process has its own OS entropy, but every rank must cut its shard from
-    the same global batch: rank 0 draws the sampling seed and broadcasts it. (A replica checksum
-    cannot catch a disagreement: ranks all-reduce one sum either way.)"""
+    the same global batch and add the same noise: rank 0 draws the key and sends it once, when the
+    run starts; no noise or seed crosses the network afterwards. (A replica checksum cannot catch a
+    disagreement in batches: ranks all-reduce one sum either way.)"""
     import torch
 
     from dpregistry.engine import Run
@@ -186,12 +197,20 @@ def test_secure_mode_ranks_draw_the_same_secret_batch(tmp_path):
 
     TwoRanks = two_ranks()
 
-    recipe = load(write_recipe(tmp_path, dict(dp_sgd(), privacy={"epsilon": 8.0, "delta": 1e-3,
-                                                                  "secure_noise": True})))
-    ranks = [Run(recipe, None, comm=TwoRanks(r)).prepare() for r in (0, 1)]
+    recipe = load(write_recipe(tmp_path, dp_sgd()))
+    assert recipe.privacy.noise == "secure"
+    comms = [TwoRanks(r) for r in (0, 1)]
+    ranks = [Run(recipe, None, comm=c).prepare() for c in comms]
+    assert ranks[0].rng.key == ranks[1].rng.key
+    sent = [c.broadcasts for c in comms]
     for t in range(3):
-        a, b = (run.sampler.indices(t, run) for run in ranks)  # rank 0 first, as a broadcast orders it
+        a, b = (run.sampler.indices(t, run) for run in ranks)
         assert torch.equal(a, b)
+        x, y = (run.rng.noise(t, 0).randn((50,)) for run in ranks)
+        assert torch.equal(x, y)
+    assert [c.broadcasts for c in comms] == sent  # nothing more was sent
+    alone = Run(recipe, None).prepare()
+    assert alone.rng.key != ranks[0].rng.key
 
 
 # -- a forward pass must not change parameters from private data ----------------------------------
@@ -313,11 +332,12 @@ def test_ranks_with_different_noise_keys_are_refused(tmp_path, monkeypatch):
 
     TwoRanks = two_ranks()
 
-    recipe = load(write_recipe(tmp_path, dp_sgd()))
-    monkeypatch.setenv(NOISE_KEY_ENV, "k1")
+    recipe = load(write_recipe(tmp_path, dict(dp_sgd(), privacy={"epsilon": 8.0, "delta": 1e-3, "noise": "keyed"})))
+    monkeypatch.setenv(NOISE_KEY_ENV, KEY_A)
     Run(recipe, None, comm=TwoRanks(0)).prepare()
     Run(recipe, None, comm=TwoRanks(1)).prepare()  # the same key: fine
-    monkeypatch.setenv(NOISE_KEY_ENV, "k2")
+    Run(recipe, None, comm=TwoRanks(0)).prepare()
+    monkeypatch.setenv(NOISE_KEY_ENV, KEY_B)
     with pytest.raises(UserError, match="DPREG_NOISE_KEY"):
         Run(recipe, None, comm=TwoRanks(1)).prepare()
     monkeypatch.delenv(NOISE_KEY_ENV)

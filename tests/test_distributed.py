@@ -31,7 +31,7 @@ estimator: {name: zo_two_point, lambda: 1.0e-3}
 privatizer: {name: gaussian, clip: 2.0, noise_multiplier: auto}
 update: {name: directional_sgd, lr: 0.01}
 accountant: rdp
-privacy: {epsilon: 8.0, delta: 1.0e-3}
+privacy: {epsilon: 8.0, delta: 1.0e-3, noise: reproducible}
 train: {steps: 20, log_every: 5, micro_batch_size: 8, sync_check_every: 1, checkpoint_every: 5, keep_checkpoints: 10}
 """
 FO = ZO.replace("algorithm: standard", "algorithm: dp_adam").replace(
@@ -179,7 +179,7 @@ objective: {name: l1_distance, dim: 5, n: 400, noise_std: 0.3, init: 3.0}
 estimator: {name: zo_sphere, smooth_radius: 0.1, lipschitz: 1.0, dirs_per_sample: dim}
 update: {name: o2nc, output: random_window}
 accountant: zcdp
-privacy: {rho: 0.5, delta: 1.0e-6}
+privacy: {rho: 0.5, delta: 1.0e-6, noise: reproducible}
 train: {steps: 40, log_every: 10, micro_batch_size: 2, sync_check_every: 1}
 """
 

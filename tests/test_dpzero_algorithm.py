@@ -29,8 +29,7 @@ def quad_recipe(algorithm="dpzero_full_batch", *, dim=6, n=64, steps=5, clip=1.0
          "update": {"lr": lr}, "train": {"steps": steps, "log_every": 1000}}
     if sampler:
         r["sampler"] = sampler
-    if privacy:
-        r["privacy"] = privacy
+    r["privacy"] = {"noise": "reproducible", **(privacy or {})}
     return r
 
 
@@ -250,7 +249,7 @@ def test_dpzero_with_noise_is_zo_sgd_plus_scalar_noise_on_u(tmp_path):
                 tmp_path, "noisy")
     obj = run.objective
     x = torch.zeros_like(run.params["x"])
-    rng = RunRNG(0)
+    rng = RunRNG(0, "reproducible")
     for t in range(steps):
         idx = run.sampler.indices(t, run)
         u = Direction(rng.step_seed("direction", t), "gaussian").dense([x])[0]
@@ -299,7 +298,7 @@ def test_same_public_seeds_fresh_secret_noise(tmp_path):
     """Same recipe and seed, hence the same direction seeds; with secure noise (OS entropy) the
     noise differs between runs, and only along u (the direction is public and shared)."""
     r = quad_recipe("dpzero_full_batch", clip=1.0, z=4.0, n=64, steps=1, lr=0.1, dim=20)
-    r["privacy"] = {"secure_noise": True}
+    r["privacy"] = {"noise": "secure"}
     a, b = train(r, tmp_path, "a"), train(r, tmp_path, "b")
     assert a.rng.step_seed("direction", 0) == b.rng.step_seed("direction", 0)
     diff = a.params["x"] - b.params["x"]
@@ -320,12 +319,12 @@ def test_simulator_matches_the_engine(tmp_path, algorithm, method):
     d, n, T, lr, C = 12, 500, 25, 0.5, 0.05
     r = quad_recipe(algorithm, dim=d, n=n, steps=T, clip=C, lr=lr, seed=3, hessian="identity")
     r["privatizer"]["noise_multiplier"] = "auto"
-    r["privacy"] = {"epsilon": 2.0, "delta": 1e-6}
+    r["privacy"] = {"epsilon": 2.0, "delta": 1e-6, "noise": "reproducible"}
     r["objective"]["n_test"] = 100
     run = train(r, tmp_path, "engine")
     problem = syn.make_problem("identity", d, n=n, n_test=100, seed=0)
     assert torch.equal(problem.data, run.objective.data)
-    rng = RunRNG(3)
+    rng = RunRNG(3, "reproducible")
     sigma = run.privatizer.noise_multiplier * C / n
     out = syn.simulate_zo(problem, [syn.Config(T, lr, C)], method=method, seed=3, sigmas=[sigma],
                           noise=lambda t, k, shape: rng.noise(t, 0).randn(shape or (1,), dtype=torch.float64))

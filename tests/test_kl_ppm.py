@@ -15,7 +15,7 @@ from dpregistry.privacy.events import PrivacyEvent
 def ppm_recipe(**over):
     r = {"algorithm": {"name": "kl_proximal_point", "weak_convexity": 0.5, "max_inner_steps": 8},
          "objective": {"name": "kl_power", "dim": 2, "n": 2000, "power": 2},
-         "privacy": {"rho": 1.0},
+         "privacy": {"rho": 1.0, "noise": "reproducible"},
          "train": {"steps": 10**6, "log_every": 10**6}}
     for k, v in over.items():
         r[k] = {**r[k], **v} if isinstance(v, dict) and isinstance(r.get(k), dict) else v

@@ -23,7 +23,7 @@ def spider_recipe(**over):
     run T_k = 2 steps and issue difference queries."""
     r = {"algorithm": {"name": "kl_spider"},
          "objective": {"name": "kl_power", "dim": 5, "n": 1_000_000, "power": 4},
-         "privacy": {"rho": 1.0},
+         "privacy": {"rho": 1.0, "noise": "reproducible"},
          "train": {"steps": 10**6, "log_every": 10**6}}
     for k, v in over.items():
         r[k] = {**r[k], **v} if isinstance(v, dict) and isinstance(r.get(k), dict) else v

@@ -1,14 +1,25 @@
-"""Privacy-noise modes: seeded (reproducible, not secret), keyed (secret key), secure (OS entropy)."""
+"""Noise modes: secure (default, a fresh OS-entropy key), keyed (DPREG_NOISE_KEY), reproducible
+(from the seed, and reported as no guarantee)."""
 
 from __future__ import annotations
 
+import json
+import math
+
+import numpy as np
 import pytest
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from conftest import make_run
+from conftest import make_run, write_recipe
 from dpregistry.engine import resume_run
 from dpregistry.errors import UserError
-from dpregistry.rng import NOISE_KEY_ENV, RunRNG
+from dpregistry.privacy import secret
+from dpregistry.rng import NOISE_KEY_ENV, RunRNG, key_from_env
+from test_core_cli import dpreg
+
+KEY = "3f1c9a7be2d54c6a8b0e1f2a3c4d5e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b1c2d"  # 256 bits, hex
+OTHER = "9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9a8b"
 
 RECIPE = {
     "seed": 2,
@@ -17,8 +28,12 @@ RECIPE = {
     "sampler": {"name": "poisson", "batch_size": 16},
     "privatizer": {"clip": 1.0, "noise_multiplier": 2.0},
     "privacy": {"epsilon": 50.0, "delta": 1e-3},
-    "train": {"steps": 6, "checkpoint_every": 3, "keep_checkpoints": 5},
+    "train": {"steps": 6, "checkpoint_every": 3, "keep_checkpoints": 5, "progress": False},
 }
+
+
+def mode(name, recipe=RECIPE):
+    return dict(recipe, privacy=dict(recipe["privacy"], noise=name))
 
 
 def final(run):
@@ -26,41 +41,183 @@ def final(run):
     return {k: v.detach().clone() for k, v in run.params.items()}
 
 
-def test_keyed_noise_is_secret_and_reproducible_for_the_key_holder(tmp_path, monkeypatch):
-    seeded = RunRNG(7).noise(3).randn((100,))
-    a = RunRNG(7, noise_key="s3cret").noise(3).randn((100,))
-    assert not torch.equal(a, seeded)  # the recipe seed alone no longer gives the noise
-    assert torch.equal(a, RunRNG(7, noise_key="s3cret").noise(3).randn((100,)))
-    assert not torch.equal(a, RunRNG(7, noise_key="other").noise(3).randn((100,)))
-    assert RunRNG(7, noise_key="s3cret").noise_fingerprint != RunRNG(7, noise_key="other").noise_fingerprint
-    assert "s3cret" not in RunRNG(7, noise_key="s3cret").noise_fingerprint
+def same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
 
-    monkeypatch.setenv(NOISE_KEY_ENV, "s3cret")
-    one, two = final(make_run(RECIPE, tmp_path)), final(make_run(RECIPE, tmp_path))
-    assert all(torch.equal(one[k], two[k]) for k in one)
-    monkeypatch.delenv(NOISE_KEY_ENV)
-    plain = final(make_run(RECIPE, tmp_path))
-    assert not all(torch.equal(one[k], plain[k]) for k in one)
+
+def test_secure_is_the_default_and_every_run_draws_its_own_key(tmp_path):
+    one, two = make_run(RECIPE, tmp_path), make_run(RECIPE, tmp_path)
+    assert one.rng.noise_mode == "secure" and one.rng.guarantee
+    assert len(one.rng.key) == 32 and one.rng.key != two.rng.key
+    # within a run a release's noise is a function of (key, step, call): the same release twice is
+    # the same draw, another release is a fresh one
+    z = one.rng.noise(3, 0).randn((64,))
+    assert torch.equal(z, one.rng.noise(3, 0).randn((64,))) and not torch.equal(z, one.rng.noise(3, 1).randn((64,)))
+    assert not torch.equal(z, two.rng.noise(3, 0).randn((64,)))
+    assert not same(final(one), final(two))
+
+
+def test_keyed_noise_is_secret_and_reproducible_for_the_key_holder(tmp_path, monkeypatch):
+    rng = RunRNG(7, "keyed", key=key_from_env(KEY))
+    a = rng.noise(3).randn((100,))
+    assert torch.equal(a, RunRNG(7, "keyed", key=key_from_env(KEY)).noise(3).randn((100,)))
+    assert not torch.equal(a, RunRNG(7, "keyed", key=key_from_env(OTHER)).noise(3).randn((100,)))
+    assert not torch.equal(a, RunRNG(7, "reproducible").noise(3).randn((100,)))
+    fp = rng.noise_fingerprint
+    assert fp != RunRNG(7, "keyed", key=key_from_env(OTHER)).noise_fingerprint
+    assert KEY not in fp and key_from_env(KEY).hex() not in fp
+
+    monkeypatch.setenv(NOISE_KEY_ENV, KEY)
+    keyed = mode("keyed")
+    assert same(final(make_run(keyed, tmp_path)), final(make_run(keyed, tmp_path)))
+    monkeypatch.setenv(NOISE_KEY_ENV, OTHER)
+    assert not same(final(make_run(keyed, tmp_path)), final(make_run(mode("reproducible"), tmp_path)))
+
+
+@pytest.mark.parametrize("weak", ["s3cret", "0123456789abcdef0123456789abcde", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+                                  "correct horse battery staple", "QUJDREVGR0hJSktMTU5PUFFS"[:21]])
+def test_a_key_with_less_than_128_bits_is_refused_with_how_to_make_one(weak):
+    with pytest.raises(UserError, match="secrets.token_hex"):
+        key_from_env(weak)
+
+
+def test_strong_keys_in_hex_and_base64_are_accepted():
+    assert len(key_from_env(KEY[:32])) == 32
+    assert len(key_from_env("q3Zk9_Lm2Xv7Rt4Yp1Wn8s")) == 32  # 22 base64 characters (132 bits)
+
+
+def test_keyed_mode_without_a_key_is_refused_at_the_recipe_key(tmp_path, monkeypatch):
+    monkeypatch.delenv(NOISE_KEY_ENV, raising=False)
+    path = write_recipe(tmp_path, mode("keyed"))
+    res = dpreg("validate", path)
+    assert res.returncode == 2 and "DPREG_NOISE_KEY" in res.stderr and "privacy.noise" in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 def test_a_keyed_run_resumes_only_with_its_key(tmp_path, monkeypatch):
-    monkeypatch.setenv(NOISE_KEY_ENV, "k1")
-    run = make_run(RECIPE, tmp_path, out=tmp_path / "r")
+    monkeypatch.setenv(NOISE_KEY_ENV, KEY)
+    run = make_run(mode("keyed"), tmp_path, out=tmp_path / "r")
     straight = final(run)
-    assert run.rng.noise_mode == "keyed"
     monkeypatch.delenv(NOISE_KEY_ENV)
     with pytest.raises(UserError, match="DPREG_NOISE_KEY"):
         resume_run(tmp_path / "r")
-    monkeypatch.setenv(NOISE_KEY_ENV, "k2")
+    monkeypatch.setenv(NOISE_KEY_ENV, OTHER)
     with pytest.raises(UserError, match="same secret key"):
         resume_run(tmp_path / "r")
-    monkeypatch.setenv(NOISE_KEY_ENV, "k1")
+    monkeypatch.setenv(NOISE_KEY_ENV, KEY)
     r = resume_run(tmp_path / "r")
-    assert r.step == 6 and all(torch.equal(straight[k], r.params[k]) for k in straight)
+    assert r.step == 6 and same(straight, r.params)
 
 
-def test_summary_states_the_noise_mode(tmp_path):
-    import json
+def test_no_file_of_a_run_holds_its_key(tmp_path, monkeypatch):
+    for name in ("secure", "keyed"):
+        monkeypatch.setenv(NOISE_KEY_ENV, KEY)
+        out = tmp_path / name
+        run = make_run(mode(name), tmp_path, out=out)
+        key = run.rng.key
+        run.train()
+        needles = [key, key.hex().encode(), KEY.encode()]
+        files = [p for p in out.rglob("*") if p.is_file()]
+        assert len(files) >= 5
+        for p in files:
+            data = p.read_bytes()
+            assert not any(n in data for n in needles), p
 
-    make_run(RECIPE, tmp_path, out=tmp_path / "r").train()
-    assert json.loads((tmp_path / "r" / "summary.json").read_text())["noise"] == "seeded"
+
+def test_a_secure_resume_continues_the_ledger_and_the_public_randomness_with_a_fresh_key(tmp_path):
+    recipe = mode("secure", dict(RECIPE, train=dict(RECIPE["train"], steps=6)))
+    run = make_run(recipe, tmp_path, out=tmp_path / "r")
+    first_key = run.rng.key
+    final(run)
+    eps = json.loads((tmp_path / "r" / "summary.json").read_text())["epsilon"]
+    # rewind to the step-3 checkpoint and resume
+    for p in (tmp_path / "r" / "checkpoints").iterdir():
+        if not p.name.startswith("step-00000003") and not p.name.startswith("step-00000000"):
+            p.unlink()
+    r = resume_run(tmp_path / "r")
+    assert r.step == 3 and r.rng.key != first_key and r.rng.noise_mode == "secure"
+    assert r.accountant.ledger.to_json()[0]["count"] == 3  # the three charged steps are kept
+    r.train()
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["epsilon"] == pytest.approx(eps, rel=1e-12)
+    assert r.rng.step_seed("direction", 4) == run.rng.step_seed("direction", 4)
+
+
+def test_summary_and_report_state_the_mode_and_whether_epsilon_is_a_guarantee(tmp_path, monkeypatch):
+    monkeypatch.setenv(NOISE_KEY_ENV, KEY)
+    for name, guarantee in (("secure", True), ("keyed", True), ("reproducible", False)):
+        path = write_recipe(tmp_path, mode(name), f"{name}.yaml")
+        res = dpreg("run", path, "--out", tmp_path / name)
+        assert res.returncode == 0, res.stderr
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["noise"] == name and summary["guarantee"] is guarantee
+        said = " ".join(res.stdout.split())
+        assert ("NOT a privacy guarantee" in said) is (not guarantee)
+        rep = dpreg("privacy", "report", tmp_path / name)
+        assert ("NOT a privacy guarantee" in " ".join(rep.stdout.split())) is (not guarantee)
+        assert dpreg("report", tmp_path / name).returncode == 0
+        md = (tmp_path / name / "report" / "report.md").read_text()
+        assert ("NOT a privacy guarantee" in md) is (not guarantee)
+
+
+def test_the_progress_line_of_a_reproducible_run_says_no_guarantee(tmp_path):
+    from dpregistry import cli
+
+    recipe = mode("reproducible")
+    run = make_run(dict(recipe, train=dict(recipe["train"], progress=True)), tmp_path)
+    with cli.console.capture() as cap:
+        cli._train(run, quiet=False)
+    assert "no guarantee" in cap.get()
+
+
+def test_an_old_recipe_with_secure_noise_gets_one_line_saying_what_to_write(tmp_path):
+    for value, write in ((True, "privacy.noise: secure"), (False, "privacy.noise: reproducible")):
+        path = write_recipe(tmp_path, dict(RECIPE, privacy=dict(RECIPE["privacy"], secure_noise=value)))
+        res = dpreg("validate", path)
+        assert res.returncode == 2 and write in res.stderr and ":" in res.stderr.split("privacy.secure_noise")[0]
+        assert len(res.stderr.strip().splitlines()) == 1
+
+
+# -- the generator ------------------------------------------------------------------------------
+
+
+def test_cipher_gaussians_are_the_sum_of_two_box_muller_samples_from_the_keystream():
+    """Recompute outputs from the AES-256-CTR keystream in plain float64 math: each output is
+    (BM(pair j) + BM(pair j + m/2))/√2, each pair from two 53-bit uniforms (the defence against the
+    floating-point attack on a single Box–Muller sample)."""
+    key = bytes(range(32))
+    n = 10
+    z = secret.CipherStream(key).randn((n,), dtype=torch.float64)
+    m = n
+    stream = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor().update(bytes(16 * m))
+    words = np.frombuffer(stream, dtype=np.uint64)
+    u = [((int(w) >> 11) + 1) / 2.0 ** 53 for w in words]
+    r = [math.sqrt(-2 * math.log(u[j])) for j in range(m)]
+    th = [2 * math.pi * u[m + j] for j in range(m)]
+    h = m // 2
+    expect = [(r[j] * math.cos(th[j]) + r[j + h] * math.cos(th[j + h])) / math.sqrt(2) for j in range(h)] + \
+             [(r[j] * math.sin(th[j]) + r[j + h] * math.sin(th[j + h])) / math.sqrt(2) for j in range(h)]
+    assert z.tolist() == pytest.approx(expect, rel=1e-12, abs=1e-12)
+
+
+def test_cipher_gaussians_are_standard_normal_and_independent_of_the_thread_count(monkeypatch):
+    from scipy import stats
+
+    state = torch.get_rng_state()
+    key = secret.new_key()
+    n = 3 * secret.CHUNK + 7  # several chunks and an odd tail
+    z = secret.CipherStream(key).randn((n,), dtype=torch.float64)
+    assert torch.equal(state, torch.get_rng_state())  # torch's global stream is untouched
+    assert abs(float(z.mean())) < 5 / math.sqrt(n) and abs(float(z.std()) - 1) < 0.01
+    assert stats.kstest(z.numpy(), "norm").pvalue > 1e-4
+    assert len(torch.unique(z)) == n
+    monkeypatch.setattr(secret._POOL, "workers", 1)
+    assert torch.equal(z, secret.CipherStream(key).randn((n,), dtype=torch.float64))
+    s = secret.CipherStream(key)  # successive draws continue the stream
+    assert not torch.equal(s.randn((8,)), s.randn((8,)))
+    assert secret.CipherStream(key).randn((3, 4), dtype=torch.float16).dtype == torch.float16
+
+
+def test_cipher_uniforms_sample_at_the_requested_rate():
+    u = secret.CipherStream(secret.new_key()).uniform(200_000)
+    assert u.dtype == torch.float64 and float(u.min()) > 0 and float(u.max()) <= 1
+    assert abs(float((u <= 0.016).double().mean()) - 0.016) < 5 * math.sqrt(0.016 / 200_000)

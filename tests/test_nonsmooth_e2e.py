@@ -50,7 +50,8 @@ def test_certificate_falls_and_degrades_monotonically_with_privacy(tmp_path):
 def _small(tmp_path, **over):
     rec = recipe({"name": "ztc_o2nc_tree", "episode_len": 8},
                  {"name": "min_of_norms", "dim": 4, "n": 640},
-                 estimator={"smooth_radius": 0.1, "lipschitz": 1.1}, privacy={"rho": 0.5, "delta": 1e-5},
+                 estimator={"smooth_radius": 0.1, "lipschitz": 1.1},
+                 privacy={"rho": 0.5, "delta": 1e-5, "noise": "reproducible"},
                  update={"record_points": "all"}, train={"steps": 10_000, "log_every": 10, "checkpoint_every": 16})
     rec.update(over)
     return rec

@@ -225,11 +225,14 @@ def test_high_probability_bounds_draw_their_directions_from_secret_randomness(tm
     them) keep public directions that replicas and replays regenerate from the seed."""
     d, x = 3, torch.full((3,), 0.3, dtype=torch.float64)
 
+    keys = {"a": "0123456789abcdef" * 2, "b": "fedcba9876543210" * 2}
+
     def estimates(key, step, **over):
-        monkeypatch.setenv("DPREG_NOISE_KEY", key)
+        monkeypatch.setenv("DPREG_NOISE_KEY", keys[key])
         run = host(tmp_path, dim=d, objective={"name": "ring", "dim": d, "n": 400, "noise": "linear"},
                    algorithm={"name": "klt_sp_zo", "vr_period": 4},
-                   estimator={**estimator, "smooth_radius": 0.2, "lipschitz": 1.1, **over})
+                   estimator={**estimator, "smooth_radius": 0.2, "lipschitz": 1.1, **over},
+                   privacy={"noise": "keyed"})
         prev = None if step == 0 else x - 0.01
         est, c = per_example(run, x, torch.arange(8), prev=prev, step=step)
         return est, c.info["gamma"]

@@ -36,7 +36,7 @@ sampler: {{name: poisson, batch_size: 32}}
 privatizer: {{clip: 1.0, noise_multiplier: 1.1}}
 update: {{lr: 0.001}}
 accountant: rdp
-privacy: {{epsilon: 1000.0, delta: 1.0e-5}}
+privacy: {{epsilon: 1000.0, delta: 1.0e-5, noise: reproducible}}
 train: {{steps: {steps}, log_every: 3, eval_every: 10, checkpoint_every: 2, keep_checkpoints: 3, progress: false}}
 """
 # Zeroth order (parameters displaced in place during a step) on the same model.
@@ -49,7 +49,7 @@ estimator: {{name: zo_two_point, lambda: 1.0e-3}}
 privatizer: {{name: gaussian, clip: 2.0, noise_multiplier: 1.1}}
 update: {{name: directional_sgd, lr: 1.0e-3}}
 accountant: rdp
-privacy: {{epsilon: 1000.0, delta: 1.0e-5}}
+privacy: {{epsilon: 1000.0, delta: 1.0e-5, noise: reproducible}}
 train: {{steps: {steps}, log_every: 3, eval_every: 10, checkpoint_every: 2, keep_checkpoints: 3, progress: false}}
 """
 RECIPES = {"first_order": FIRST_ORDER, "zeroth_order": ZEROTH_ORDER}
@@ -296,7 +296,8 @@ def test_shipped_recipes_resume_bit_identically_after_a_crash(recipe_name, tmp_p
     path = RECIPE_DIR / recipe_name
     if not path.exists():
         pytest.skip(f"recipes/{recipe_name} does not exist yet (its plugin has not landed)")
-    sets = ["train.steps=6", "train.checkpoint_every=2", "train.keep_checkpoints=10", "train.progress=false",
+    sets = ["privacy.noise=reproducible", "train.steps=6", "train.checkpoint_every=2", "train.keep_checkpoints=10",
+            "train.progress=false",
             "train.log_every=3", "train.eval_every=null"]
     straight = make_run(path, sets=sets, out=tmp_path / "a")
     s_a = straight.train()

@@ -39,7 +39,7 @@ RECIPE = {
     "privatizer": {"clip": 1.0, "noise_multiplier": 1.2},
     "update": {"lr": 0.01},
     "accountant": "rdp",
-    "privacy": {"epsilon": 50.0, "delta": 1e-3},
+    "privacy": {"epsilon": 50.0, "delta": 1e-3, "noise": "reproducible"},
     "train": {"steps": 10, "log_every": 2, "checkpoint_every": 2, "keep_checkpoints": 3, "progress": False},
 }
 ZO = dict(RECIPE, algorithm="standard", estimator={"name": "zo_two_point", "lambda": 1e-3},

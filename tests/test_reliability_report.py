@@ -22,7 +22,7 @@ RECIPE = {
     "privatizer": {"clip": 1.0, "noise_multiplier": 1.2},
     "update": {"lr": 0.01},
     "accountant": "rdp",
-    "privacy": {"epsilon": 50.0, "delta": 1e-3},
+    "privacy": {"epsilon": 50.0, "delta": 1e-3, "noise": "reproducible"},
     "train": {"steps": 12, "log_every": 2, "eval_every": 4, "checkpoint_every": 4, "progress": False},
 }
 
@@ -84,7 +84,8 @@ def test_the_markdown_states_what_summary_json_holds(finished):
     assert num(p["δ"]) == s["delta"] == 1e-3
     assert p["accountant"] == s["accountant"] == "rdp" and p["neighbouring relation"] == s["relation"]
     assert num(p["noise multiplier"]) == pytest.approx(s["noise_multiplier"], rel=1e-5)
-    assert int(p["steps"]) == s["step"] == 12 and p["secure noise"] == "False"
+    assert int(p["steps"]) == s["step"] == 12 and p["noise"].startswith("reproducible: ")
+    assert "NOT a privacy guarantee" in p["noise"]
     m = table(md, "Held-out metrics (final)")
     assert set(m) == set(s["metrics"]) and s["metrics"]
     for k, v in s["metrics"].items():

@@ -50,8 +50,7 @@ class PoissonSampler(Sampler):
     def indices(self, step, run):
         # Sampling is global (every rank draws the same mask), so q is the true rate; the mask is
         # as secret as the noise, since the amplification by sampling assumes it is hidden.
-        g = run.sampling_generator("poisson", step)
-        return (torch.rand(self.n, generator=g) < self.q).nonzero().squeeze(1)
+        return (run.secret("poisson", step).uniform(self.n) <= self.q).nonzero().squeeze(1)
 
     def expected_batch_size(self, run):
         return self.q * self.n
@@ -157,7 +156,7 @@ class UniformSampler(Sampler):
                             "(privacy.relation: replace_one); use the poisson sampler for add/remove", key="sampler")
 
     def indices(self, step, run):
-        return torch.randperm(self.n, generator=run.sampling_generator("uniform", step))[:self.B]
+        return run.secret("uniform", step).uniform(self.n).argsort()[:self.B]
 
     def expected_batch_size(self, run):
         return float(self.B)

@@ -487,7 +487,7 @@ class AdaptiveNoisyGD(Algorithm):
                 run.params[k].copy_(v)
         event = self.selection_event
         log_p = exponential_log_weights(norms, event.epsilon, run.privatizer.sensitivity() / run.n_train)
-        u = float(torch.special.ndtr(run.noise().randn((1,), dtype=torch.float64)))  # secret uniform
+        u = float(run.secret("select_iterate", run.step).uniform(1))
         chosen = int(min(np.searchsorted(np.cumsum(np.exp(log_p)), u, side="right"), len(norms) - 1))
         run.charge([event])
         with torch.no_grad():

@@ -179,7 +179,7 @@ class OracleEstimator(Estimator):
 
     def _generator(self, run, side: int) -> torch.Generator:
         if self._secret_dirs:
-            return secret_generator(run)
+            return secret_generator(run, self.purpose, run.step, side)
         return step_generator(run, self.purpose, run.step, side)
 
     def _dirs(self, g: torch.Generator, sl: slice, m: int, dtype) -> torch.Tensor:

@@ -8,7 +8,6 @@ vectorised call (``losses_at``/``grads_at`` on flat points); any other objective
 
 from __future__ import annotations
 
-import hashlib
 
 import torch
 
@@ -85,17 +84,15 @@ def step_generator(run, purpose: str, step: int, side: int) -> torch.Generator:
     return run.rng.generator(purpose, step, side)
 
 
-def secret_generator(run) -> torch.Generator:
-    """A generator seeded from the run's secret noise source, for randomness a privacy bound rests on.
+def secret_generator(run, purpose: str, step: int, side: int) -> torch.Generator:
+    """A generator from the run's secret randomness, for draws a privacy bound rests on.
 
     Public generators are a function of the recipe's seed, which whoever chooses the data may know;
     a bound that holds only with high probability over the draws (spec 002 §2.2) needs draws they
-    cannot predict. Reproducible in the seeded and keyed noise modes (a function of the step and the
-    release number), fresh in secure mode; identical on every rank.
+    cannot predict. Reproducible in the reproducible and keyed noise modes, fresh in secure mode;
+    identical on every rank.
     """
-    bits = run.noise().randn((4,), dtype=torch.float64).cpu()
-    seed = int.from_bytes(hashlib.sha256(bits.numpy().tobytes()).digest()[:8], "little") & ((1 << 63) - 1)
-    return torch.Generator().manual_seed(seed)
+    return run.secret(purpose, step, side).generator()
 
 
 class PointQuery:
