@@ -422,9 +422,11 @@ def _leave(comm) -> None:
 
 @app.command()
 def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupted run")],
-           quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False):
+           quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+           max_nonfinite_steps: Annotated[Optional[int], typer.Option(
+               "--max-nonfinite-steps", min=0, help="raise train.max_nonfinite_steps of a run stopped at it")] = None):
     """Continue a run from its newest valid checkpoint (the privacy ledger continues too)."""
-    from .engine import resume_run
+    from .engine import not_a_run_folder, resume_run
 
     _quiet_libraries()
     with user_errors():
@@ -433,13 +435,14 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
         if not run_dir.is_dir():
             raise UserError("run folder not found", file=str(run_dir))
         if not (run_dir / "recipe.json").exists():
-            raise UserError("not a dpregistry run folder (no recipe.json)", file=str(run_dir))
+            raise not_a_run_folder(run_dir)
         with ExitStack() as held:
             def lock():
                 held.enter_context(run_lock(run_dir))
 
             _on_rank0_for_all(comm, lock)
-            r = resume_run(run_dir, comm=comm, warn=lambda m: err.print(escape(m), style="yellow") if rank0 else None)
+            r = resume_run(run_dir, comm=comm, warn=lambda m: err.print(escape(m), style="yellow") if rank0 else None,
+                           max_nonfinite_steps=max_nonfinite_steps)
             if r.algorithm.done(r):
                 if rank0:
                     console.print(f"the run already finished at step {r.step}")

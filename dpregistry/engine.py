@@ -25,6 +25,7 @@ from . import __version__
 from . import checkpoint as ckpt
 from .directions import Direction
 from .errors import BudgetExhausted, UserError
+from .ledger_file import LedgerFile, extends
 from .privacy.accountant import Budget
 from .recipe import SECTIONS, Recipe, resolve
 from .registry import get_registry
@@ -467,6 +468,9 @@ class Run:
             folder.mkdir(parents=True, exist_ok=True)
             _fsync_file(self.out_dir / "metrics.jsonl")  # rows up to this step survive a power loss too
             ckpt.write_atomic(path, tensors, meta)
+            # After the rename: a kill in between leaves the checkpoint one line ahead of the ledger
+            # file, which a resume accepts (the checkpoint's ledger extends the last line).
+            LedgerFile(self.out_dir).record(self.step, meta["ledger"])
             ckpt.prune(folder, self.recipe.train.keep_checkpoints)
         return path
 
@@ -660,12 +664,38 @@ def versions() -> dict[str, str]:
     return out
 
 
-def resume_run(out_dir: Path, *, comm=None, console=None, warn=print) -> Run:
-    """Rebuild the run of ``out_dir`` and restore its newest valid checkpoint."""
+def not_a_run_folder(out_dir: Path) -> UserError:
+    """The refusal for a folder without recipe.json: a run killed before it wrote one (only a lock
+    or temporary files are left) took no step, so the advice is to start it again."""
+    try:
+        names = [p.name for p in Path(out_dir).iterdir()]
+    except OSError:
+        names = []
+    if names and all(n == ".lock" or ckpt.TEMP.match(n) for n in names):
+        return UserError("the run stopped before it started (no recipe.json): nothing was trained or spent; "
+                         "start it again with `dpreg run RECIPE --out DIR --overwrite`", file=str(out_dir))
+    return UserError("not a dpregistry run folder (no recipe.json)", file=str(out_dir))
+
+
+def steps_taken(out_dir: Path) -> list[str]:
+    """What in a run folder shows that steps were taken (and charged)."""
+    found = [name for name in ("summary.json", "model.safetensors") if (out_dir / name).exists()]
+    if ckpt.list_checkpoints(out_dir / "checkpoints"):
+        found.append("checkpoints/")
+    if (out_dir / "metrics.jsonl").exists() and read_rows(out_dir / "metrics.jsonl"):
+        found.append("metrics.jsonl")
+    if any(r["step"] > 0 for r in LedgerFile(out_dir).lines()):
+        found.append("ledger.jsonl")
+    return found
+
+
+def resume_run(out_dir: Path, *, comm=None, console=None, warn=print, max_nonfinite_steps: int | None = None) -> Run:
+    """Rebuild the run of ``out_dir`` and restore its newest valid checkpoint, after checking that
+    its ledger is all that the folder shows was spent (see :mod:`dpregistry.ledger_file`)."""
     out_dir = Path(out_dir)
     rpath = out_dir / "recipe.json"
     if not rpath.exists():
-        raise UserError("not a dpregistry run folder (no recipe.json)", file=str(out_dir))
+        raise not_a_run_folder(out_dir)
     try:
         stored = json.loads(rpath.read_text())
     except (OSError, ValueError):
@@ -677,6 +707,8 @@ def resume_run(out_dir: Path, *, comm=None, console=None, warn=print) -> Run:
         raise UserError("this run was started by an earlier dpregistry (privacy.secure_noise, before the noise "
                         "modes); it cannot be resumed by this version, whose noise and ledger checks differ: start "
                         "it again", file=str(rpath))
+    if max_nonfinite_steps is not None:
+        stored["recipe"].setdefault("train", {})["max_nonfinite_steps"] = max_nonfinite_steps
     recipe = resolve(stored["recipe"], {}, get_registry(), source=str(rpath))
     if recipe.hash != stored["recipe_hash"]:
         raise UserError("the installed stages resolve this recipe differently than when the run started "
@@ -689,20 +721,70 @@ def resume_run(out_dir: Path, *, comm=None, console=None, warn=print) -> Run:
             ckpt.remove_stale_temps(d)
     found = ckpt.latest_valid(folder, warn=warn)
     if found is None:
-        logged = (out_dir / "metrics.jsonl").exists() and read_rows(out_dir / "metrics.jsonl")
-        if ckpt.list_checkpoints(folder) or logged:
+        taken = steps_taken(out_dir)
+        if taken:
             # Steps were taken (and charged); starting over would reset the privacy ledger.
-            raise UserError("no valid checkpoint to resume from; the run took steps, so starting over would "
-                            "forget what they spent", file=str(folder))
+            raise UserError(f"no valid checkpoint to resume from, but {', '.join(taken)} show that steps were taken; "
+                            f"starting over would forget what they spent", file=str(folder))
         # Killed before the step-0 checkpoint existed: no step ran, nothing was charged or released.
         warn(f"warning: {out_dir} has no checkpoint (the run stopped before its first step); starting at step 0")
         run.truncate_metrics()
         run.save_checkpoint()
         return run
-    tensors, meta, _ = found
+    tensors, meta, path = found
     run.load_state(tensors, meta)
+    _check_ledger(run, meta, path)
+    if run.nonfinite_steps > recipe.train.max_nonfinite_steps:
+        raise UserError(f"the run stopped at its non-finite limit ({run.nonfinite_steps} steps had non-finite losses "
+                        f"or gradients; train.max_nonfinite_steps = {recipe.train.max_nonfinite_steps}); fix the "
+                        f"cause, then raise the limit: `dpreg resume {out_dir} --max-nonfinite-steps N`",
+                        file=str(out_dir))
+    if max_nonfinite_steps is not None and run.comm.rank == 0:  # later resumes keep the raised limit
+        stored["recipe"] = recipe.data
+        _write_json(rpath, stored)
     run.truncate_metrics()
     return run
+
+
+def _check_ledger(run: Run, meta: dict[str, Any], path: Path) -> None:
+    """The checkpoint's ledger must be what the ledger file recorded at its step, cover every step
+    before it, and not be less than the ε the metrics logged; a secure run cannot go back."""
+    step, entries, out = run.step, run.accountant.ledger.to_json(), run.out_dir
+    journal = LedgerFile(out)
+    recorded, last = journal.at(step), journal.last
+
+    def refuse(why: str):
+        raise UserError(f"{why}; refusing to resume from a ledger that may under-report the spending", file=str(path))
+
+    if json.loads(json.dumps(entries)) != meta.get("ledger"):
+        refuse("the accountant's state and the checkpoint's ledger differ")
+
+    if recorded is not None and recorded != entries:
+        refuse(f"its ledger differs from the one ledger.jsonl recorded at step {step}")
+    if recorded is None:
+        if last is None and step > 0:
+            refuse(f"ledger.jsonl is missing but the checkpoint is at step {step}")
+        if last is not None and not (step > last["step"] and extends(last["entries"], entries)):
+            refuse(f"its ledger at step {step} does not continue ledger.jsonl (last recorded at step {last['step']})")
+    if any(e["last_step"] >= step for e in entries):
+        refuse(f"its ledger charges steps after its own step {step}")
+    if last is not None and last["step"] > step and not run.rng.replayable:
+        raise UserError(f"ledger.jsonl records steps up to {last['step']}, but the newest valid checkpoint is at step "
+                        f"{step}: with secure noise steps {step + 1}-{last['step']} cannot be replayed, and taking them "
+                        f"again would release them twice; restore the newer checkpoint or start a new run", file=str(out))
+    rows = read_rows(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+    logged = [("metrics.jsonl", r) for r in rows]
+    try:
+        logged.append(("summary.json", json.loads((out / "summary.json").read_text())))
+    except (OSError, ValueError):
+        pass
+    logged = [(name, r["step"], r["epsilon"]) for name, r in logged if isinstance(r, dict)
+              and isinstance(r.get("step"), int) and r["step"] <= step and isinstance(r.get("epsilon"), (int, float))]
+    if logged:
+        name, at, most = max(logged, key=lambda x: x[2])
+        eps = run.epsilon()
+        if eps is not None and most > eps * (1 + 1e-9) + 1e-12:
+            refuse(f"{name} logged ε = {most:.6g} at step {at}, more than its ledger gives ({eps:.6g})")
 
 
 def start_run(run: Run, out_dir: Path | None) -> Run:

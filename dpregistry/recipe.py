@@ -40,7 +40,7 @@ TOP_LEVEL = {"extends", "description", "seed", "algorithm", "model", "data", "pr
 #: keys that change neither privacy nor results (excluded from the recipe hash)
 COSMETIC = {("description",), ("train", "log_every"), ("train", "checkpoint_every"),
             ("train", "keep_checkpoints"), ("train", "eval_every"), ("train", "progress"),
-            ("train", "sync_check_every")}
+            ("train", "sync_check_every"), ("train", "max_nonfinite_steps")}
 
 Loc = tuple[str, int | None]  # (file, line)
 

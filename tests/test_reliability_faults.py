@@ -486,7 +486,7 @@ def test_stale_temporary_files_and_lock_files_do_not_block_a_run(reference, tmp_
     (out / ".probe.tmp-99999").write_text("")
     (out / ".recipe.json.tmp-99999").write_text("{")
     assert dpreg("run", recipe, "--out", out, "-q").returncode == 0
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl", "model.safetensors",
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "ledger.jsonl", "metrics.jsonl", "model.safetensors",
                                                      "recipe.json", "summary.json"]
     assert_same_run(ref_out, out)
 

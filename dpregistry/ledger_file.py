@@ -1,0 +1,131 @@
+"""The run folder's append-only ledger: ``ledger.jsonl``, the spending that a resume must continue.
+
+A checkpoint carries the ledger of its step, but a checkpoint can be lost, deleted or replaced
+by an older or an edited one; resuming from it would forget spending. So every checkpoint write
+also appends the ledger of its step to ``ledger.jsonl``, one line per checkpoint, each line
+chained to the one before by SHA-256. A resume refuses a checkpoint whose ledger is not the line
+of its step (or, for the newest checkpoint written just before a kill, an extension of the last
+line), and a folder with traces of steps taken but no checkpoint.
+
+The chain detects edits of earlier lines and truncation in the middle; anyone who can write the
+folder can still rewrite the whole file, which is why a resume also checks the ledger against
+the metrics rows (the ε they logged) and the step counter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import UserError
+
+NAME = "ledger.jsonl"
+GENESIS = "0" * 64
+
+
+def _digest(prev: str, step: int, entries: list[dict[str, Any]]) -> str:
+    body = json.dumps({"prev": prev, "step": step, "entries": entries}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def extends(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:
+    """Whether ledger ``new`` is ``old`` plus later charges (entries merge consecutive steps, so the
+    last entry of ``old`` may have grown in ``new``)."""
+    if len(new) < len(old):
+        return False
+    for i, (a, b) in enumerate(zip(old, new)):
+        if a == b:
+            continue
+        if i != len(old) - 1:
+            return False
+        same = all(a[k] == b[k] for k in ("event", "partition", "first_step"))
+        if not (same and b["count"] >= a["count"] and b["last_step"] >= a["last_step"]):
+            return False
+    return True
+
+
+class LedgerFile:
+    """``DIR/ledger.jsonl``: {step, entries, prev, hash} per line."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / NAME
+        self._lines: list[dict[str, Any]] | None = None
+
+    def lines(self) -> list[dict[str, Any]]:
+        """The verified lines; a broken chain or a malformed line is refused in one line. A last
+        line torn by a kill mid-append (no newline) is ignored: its checkpoint was written first."""
+        if self._lines is not None:
+            return self._lines
+        out: list[dict[str, Any]] = []
+        if self.path.exists():
+            if not self.path.is_file():
+                raise UserError("not a regular file", file=str(self.path))
+            raw = self.path.read_bytes()
+            complete = raw.split(b"\n")[:-1]  # text after the last newline is a torn append
+            prev = GENESIS
+            for i, line in enumerate(complete, 1):
+                try:
+                    rec = json.loads(line)
+                    ok = (isinstance(rec, dict) and rec.get("prev") == prev and isinstance(rec.get("step"), int)
+                          and isinstance(rec.get("entries"), list)
+                          and rec.get("hash") == _digest(prev, rec["step"], rec["entries"]))
+                except ValueError:
+                    ok = False
+                if not ok:
+                    raise UserError(f"line {i} does not chain to the line before it (the ledger was edited or "
+                                    f"damaged); refusing to resume from a ledger that may under-report", file=str(self.path))
+                if out and rec["step"] <= out[-1]["step"]:
+                    raise UserError(f"line {i} goes back to step {rec['step']}", file=str(self.path))
+                out.append(rec)
+                prev = rec["hash"]
+        self._lines = out
+        return out
+
+    def at(self, step: int) -> list[dict[str, Any]] | None:
+        """The ledger recorded at ``step`` (the last such line), or None."""
+        found = [r["entries"] for r in self.lines() if r["step"] == step]
+        return found[-1] if found else None
+
+    @property
+    def last(self) -> dict[str, Any] | None:
+        lines = self.lines()
+        return lines[-1] if lines else None
+
+    def record(self, step: int, entries: list[dict[str, Any]]) -> None:
+        """Append the ledger of the checkpoint just written at ``step``. A step already recorded (a
+        replayed step of a reproducible or keyed run, or the final checkpoint at a logged step) must
+        agree; a ledger that does not extend the newest line is a bug that would lose spending."""
+        entries = json.loads(json.dumps(entries))
+        known = self.at(step)
+        if known is not None:
+            if known != entries:
+                raise RuntimeError(f"step {step}: the ledger differs from the one {self.path} recorded at that step")
+            return
+        lines = self.lines()
+        before = [r for r in lines if r["step"] < step]
+        after = [r for r in lines if r["step"] > step]
+        if (before and not extends(before[-1]["entries"], entries)) or (after and not extends(entries, after[0]["entries"])):
+            raise RuntimeError(f"step {step}: the ledger does not fit between the ones {self.path} recorded")
+        if after:
+            return  # a replayed step between two recorded ones: consistent, and the file only grows at its end
+        prev = lines[-1]["hash"] if lines else GENESIS
+        rec = {"step": step, "entries": entries, "prev": prev, "hash": _digest(prev, step, entries)}
+        self._drop_torn_tail()
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        lines.append(rec)
+
+    def _drop_torn_tail(self) -> None:
+        """Cut a line torn by a kill mid-append, so the next line starts on a line of its own."""
+        try:
+            with open(self.path, "rb+") as f:
+                data = f.read()
+                if data and not data.endswith(b"\n"):
+                    f.truncate(data.rfind(b"\n") + 1)
+        except FileNotFoundError:
+            pass

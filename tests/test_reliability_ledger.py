@@ -1,0 +1,179 @@
+"""A ledger that cannot shrink (issue 14, item 1): forged checkpoints, deleted checkpoints, runs
+killed before they started, and the non-finite limit on resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_run, write_recipe
+from dpregistry import checkpoint as ckpt
+from dpregistry.engine import resume_run
+from dpregistry.errors import UserError
+from dpregistry.ledger_file import GENESIS, LedgerFile, _digest
+from test_core_cli import dpreg
+
+RECIPE = {
+    "seed": 3,
+    "algorithm": "dp_sgd",
+    "objective": {"name": "tabular", "model": {"kind": "linear"}, "data": {"dataset": "iris"}},
+    "sampler": {"name": "poisson", "batch_size": 16},
+    "privatizer": {"clip": 1.0, "noise_multiplier": 1.5},
+    "accountant": "rdp",
+    "privacy": {"epsilon": 50.0, "delta": 1e-3, "noise": "reproducible"},
+    "train": {"steps": 12, "log_every": 2, "checkpoint_every": 4, "keep_checkpoints": 10, "progress": False},
+}
+
+
+def finished(tmp_path, recipe=RECIPE, name="run"):
+    out = tmp_path / name
+    make_run(recipe, tmp_path, out=out).train()
+    return out
+
+
+def forge(path, edit):
+    """What anyone who can write the folder can do: edit a checkpoint's ledger (both copies: the
+    metadata's and the accountant's state) and recompute the plain SHA-256 it carries."""
+    tensors, meta = ckpt.read(path)
+    edit(meta)
+    meta["state"]["accountant"]["ledger"] = meta["ledger"]
+    meta.pop("checksum")
+    ckpt.write_atomic(path, tensors, meta)
+
+
+def newest(out):
+    return ckpt.list_checkpoints(out / "checkpoints")[-1][1]
+
+
+def test_every_checkpoint_is_recorded_in_a_chained_ledger_file(tmp_path):
+    out = finished(tmp_path)
+    lines = LedgerFile(out).lines()
+    assert [r["step"] for r in lines] == [0, 4, 8, 12]
+    for step, path in ckpt.list_checkpoints(out / "checkpoints"):
+        assert ckpt.read(path)[1]["ledger"] == LedgerFile(out).at(step)
+    assert lines[-1]["entries"][0]["count"] == 12
+
+
+def test_a_forged_checkpoint_that_lowers_the_count_is_refused(tmp_path):
+    """The audit lowered the ledger's count in a step-60 checkpoint to 30 and resumed to 90 steps:
+    ε 2.999 printed against a true 3.777. The ledger file disagrees with the forgery."""
+    out = finished(tmp_path)
+    forge(ckpt.checkpoint_path(out / "checkpoints", 8), lambda m: m["ledger"][0].update(count=4))
+    newest(out).unlink()  # the forged step-8 checkpoint is now the newest
+    with pytest.raises(UserError, match="ledger.jsonl recorded at step 8"):
+        resume_run(out)
+
+
+def test_a_forged_checkpoint_and_ledger_file_are_caught_by_the_metrics(tmp_path):
+    out = finished(tmp_path)
+    forge(newest(out), lambda m: m["ledger"][0].update(count=6))
+    # the forger rewrites the whole chained file consistently with the forged checkpoint
+    prev, text = GENESIS, ""
+    for r in LedgerFile(out).lines():
+        entries = [dict(r["entries"][0], count=6)] if r["step"] == 12 else r["entries"]
+        h = _digest(prev, r["step"], entries)
+        text += json.dumps({"step": r["step"], "entries": entries, "prev": prev, "hash": h}) + "\n"
+        prev = h
+    (out / "ledger.jsonl").write_text(text)
+    with pytest.raises(UserError, match="metrics.jsonl logged ε"):
+        resume_run(out)
+
+
+def test_a_checkpoint_that_charges_steps_it_has_not_taken_is_refused(tmp_path):
+    out = finished(tmp_path)
+    forge(newest(out), lambda m: m.update(step=4))
+    with pytest.raises(UserError):
+        resume_run(out)
+
+
+def test_an_edited_line_of_the_ledger_file_breaks_the_chain(tmp_path):
+    out = finished(tmp_path)
+    text = (out / "ledger.jsonl").read_text().splitlines()
+    rec = json.loads(text[1])
+    rec["entries"][0]["count"] = 1
+    text[1] = json.dumps(rec)
+    (out / "ledger.jsonl").write_text("\n".join(text) + "\n")
+    res = dpreg("resume", out)
+    assert res.returncode == 2 and "line 2 does not chain" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_finished_run_without_checkpoints_and_metrics_is_refused_not_restarted(tmp_path):
+    out = finished(tmp_path)
+    for _, p in ckpt.list_checkpoints(out / "checkpoints"):
+        p.unlink()
+    (out / "metrics.jsonl").unlink()
+    model = (out / "model.safetensors").read_bytes()
+    res = dpreg("resume", out)
+    assert res.returncode == 2, res.stdout
+    assert "summary.json" in res.stderr and "ledger.jsonl" in res.stderr and "forget what they spent" in res.stderr
+    assert "stopped before its first step" not in res.stderr + res.stdout
+    assert (out / "model.safetensors").read_bytes() == model  # nothing released again
+    # each trace alone suffices
+    for name in ("summary.json", "model.safetensors"):
+        (out / name).unlink()
+    with pytest.raises(UserError, match="ledger.jsonl"):
+        resume_run(out)
+
+
+@pytest.mark.parametrize("temp", [".probe.tmp-1234", ".recipe.json.tmp-1234"])
+def test_a_run_killed_before_it_wrote_its_recipe_is_told_to_start_again(tmp_path, temp):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / temp).write_text("{")
+    (out / ".lock").write_text("")
+    res = dpreg("resume", out)
+    assert res.returncode == 2 and "stopped before it started" in res.stderr and "--overwrite" in res.stderr
+    recipe = write_recipe(tmp_path, RECIPE)
+    assert dpreg("run", recipe, "--out", out, "-q").returncode == 0  # leftovers alone never block a run
+
+
+def test_a_kill_between_the_checkpoint_and_its_ledger_line_resumes(tmp_path):
+    """The ledger line is appended after the checkpoint's rename: a kill in between leaves the newest
+    checkpoint one line ahead of the file, which extends it; a torn last line is ignored."""
+    out = finished(tmp_path)
+    text = (out / "ledger.jsonl").read_text().splitlines(keepends=True)
+    (out / "ledger.jsonl").write_text("".join(text[:-1]) + text[-1][:40])  # torn while appending step 12
+    run = resume_run(out)
+    assert run.step == 12
+    run.train()
+    assert [r["step"] for r in LedgerFile(out).lines()] == [0, 4, 8, 12]
+
+
+def test_replayable_modes_go_back_to_an_older_checkpoint_secure_refuses(tmp_path):
+    straight = finished(tmp_path, name="straight")
+    final = ckpt.read(newest(straight))[0]
+    for mode in ("reproducible", "secure"):
+        out = finished(tmp_path, dict(RECIPE, privacy=dict(RECIPE["privacy"], noise=mode)), name=mode)
+        newest(out).unlink()  # the step-12 checkpoint is lost; step 8 remains
+        if mode == "secure":
+            res = dpreg("resume", out)
+            assert res.returncode == 2 and "cannot be replayed" in res.stderr and "8" in res.stderr
+            continue
+        run = resume_run(out)
+        assert run.step == 8
+        run.train()
+        again = ckpt.read(newest(out))[0]
+        assert all(torch.equal(final[k], again[k]) for k in final)  # the replay is the same release
+        assert [r["step"] for r in LedgerFile(out).lines()] == [0, 4, 8, 12]
+
+
+def test_after_the_nonfinite_limit_resume_refuses_until_the_limit_is_raised(tmp_path, monkeypatch):
+    from dpreg_baseline.objectives import TabularObjective
+
+    real = TabularObjective.batch_losses
+    monkeypatch.setattr(TabularObjective, "batch_losses", lambda self, idx: real(self, idx) * float("nan"))
+    recipe = write_recipe(tmp_path, dict(RECIPE, train=dict(RECIPE["train"], max_nonfinite_steps=1)))
+    out = tmp_path / "out"
+    assert dpreg("run", recipe, "--out", out, "-q").returncode == 1
+    charged = LedgerFile(out).last["entries"][0]["count"]
+    for _ in range(2):  # each resume used to take one more charged step and stop again
+        res = dpreg("resume", out, "-q")
+        assert res.returncode == 2 and "non-finite limit" in res.stderr and "--max-nonfinite-steps" in res.stderr
+    assert LedgerFile(out).last["entries"][0]["count"] == charged
+    monkeypatch.setattr(TabularObjective, "batch_losses", real)
+    res = dpreg("resume", out, "--max-nonfinite-steps", "5", "-q")
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out / "summary.json").read_text())["step"] == 12
+    assert json.loads((out / "recipe.json").read_text())["recipe"]["train"]["max_nonfinite_steps"] == 5
