@@ -346,8 +346,7 @@ def test_plugins_are_grouped_by_kind_and_fit_80_columns_with_whole_names(tmp_pat
     assert headings == [k.replace("_", " ") + "s" for k in KINDS]
     # each stage: its whole name, then its whole description (wrapped, never cut) and its plugin
     flowing = " ".join(res.stdout.split())
-    for e in json.loads(dpreg_with(tmp_path, "plugins", "--json").stdout):
-        plugin = e["origin"].rsplit("(", 1)[1].rstrip(")")
-        assert f" {e['name']} {' '.join(e['description'].split())} ({plugin})" in flowing, e["name"]
-        assert any(line.startswith(f"  {e['name']} ") for line in lines)
+    for e in get_registry().all():
+        assert f" {e.name} {' '.join(e.description.split())} ({e.plugin})" in flowing, e.name
+        assert any(line.startswith(f"  {e.name} ") for line in lines)
     assert "plugins of dpregistry 0.1.0: accounting, baseline, dpzero, grape, kl, klt, nonsmooth, ztc" in flowing
