@@ -1,6 +1,10 @@
 """Bytes on the wire and step time of data-parallel DPZero and DP-Adam (1 vs 2 processes, CPU).
 
-    python benchmarks/distributed.py --sst2 ../shared/data/sst2 [--steps 6] [--batch 16]
+    python benchmarks/distributed.py [--sst2 DIR] [--steps 6] [--batch 16]
+
+DIR is a folder with SST-2's train.tsv and test.tsv: $DPREG_SST2_DIR, else the subset shipped in
+tests/data/sst2 (512 rows per class, all this benchmark reads; the rows do not change what it
+measures).
 
 Both methods train the packaged MiniLM (22.7M parameters) on SST-2 with the same batch. DPZero
 ranks exchange per-example scalars only; DP-Adam ranks all-reduce a clipped gradient of the size
@@ -62,10 +66,14 @@ def step_time(rows: list[dict]) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sst2", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"))
+    subset = Path(__file__).resolve().parents[1] / "tests" / "data" / "sst2"
+    ap.add_argument("--sst2", default=os.environ.get("DPREG_SST2_DIR", str(subset)))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=16)
     a = ap.parse_args()
+    if not (Path(a.sst2) / "train.tsv").is_file():
+        sys.exit(f"SST-2 not found: {a.sst2} has no train.tsv; pass --sst2 DIR, a folder with train.tsv and "
+                 f"test.tsv (header sentence<TAB>label)")
     tmp = Path(tempfile.mkdtemp())
     results = {}
     for name, body in (("DPZero", DPZERO), ("DP-Adam", DPADAM)):

@@ -508,18 +508,63 @@ def show(recipe: str, set_: SetOpt = None):
 
 @app.command()
 def plugins(as_json: Annotated[bool, typer.Option("--json")] = False):
-    """List every registered stage with its kind, origin and description."""
+    """List every registered stage by kind, with its plugin and description."""
     from .registry import get_registry
 
     with user_errors():
-        entries = get_registry().all()
+        reg = get_registry()
+        entries = reg.all()
     if as_json:
         print(json.dumps([e.as_json() for e in entries], indent=2))
         return
-    t = Table("kind", "name", "origin", "description")
+    _print_plugins(entries, reg.broken)
+
+
+def _print_plugins(entries, broken) -> None:
+    """One block per kind that fits the terminal: names are never cut, descriptions wrap, and
+    each ends with its plugin (entry-point name); a footer says which distribution holds which."""
+    from .registry import KINDS
+
+    for kind in KINDS:
+        group = [e for e in entries if e.kind == kind]
+        if not group:
+            continue
+        t = Table(show_header=False, box=None, padding=(0, 0, 0, 2))
+        t.add_column(no_wrap=True, min_width=max(len(e.name) for e in group))
+        t.add_column(overflow="fold")
+        for e in group:
+            t.add_row(e.name, f"{escape(_description(e))} [dim]({escape(e.plugin or e.origin)})[/]")
+        _print_stripped(f"[bold]{kind.replace('_', ' ')}s[/] ({len(group)})", t)
+    by_dist: dict[str, list[str]] = {}
     for e in entries:
-        t.add_row(e.kind, e.name, e.origin, e.description)
-    console.print(t)
+        names = by_dist.setdefault(e.distribution, [])
+        if e.plugin and e.plugin not in names:
+            names.append(e.plugin)
+    for dist, names in by_dist.items():
+        _print_stripped(f"plugins of {escape(dist)}: {', '.join(sorted(names))}" if names else f"from {escape(dist)}")
+    if broken:
+        t = Table(show_header=False, box=None, padding=(0, 0, 0, 2))
+        t.add_column(no_wrap=True)
+        t.add_column(overflow="fold")
+        for b in broken:
+            t.add_row(escape(b.plugin), f"{escape(b.distribution)}: {escape(b.error)}")
+        _print_stripped(f"[bold red]broken plugins[/] ({len(broken)}, not loaded)", t)
+
+
+def _print_stripped(*renderables) -> None:
+    """Print at the console's width without the trailing blanks that table cells are padded with."""
+    with console.capture() as cap:
+        for r in renderables:
+            console.print(r, highlight=False)
+    for line in cap.get().splitlines():
+        console.out(line.rstrip(), highlight=False)  # already rendered: no markup left to read
+
+
+def _description(entry) -> str:
+    try:
+        return entry.description
+    except UserError as e:  # a lazily registered stage that fails to import
+        return f"broken: {e}"
 
 
 # ------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 A plugin implements any of these and calls ``register(StageClass)`` (optionally
 ``register(StageClass, name="alias")``) once per stage it provides, in the style of
-simonw/llm's ``register_models(register)``. Plugins are found through the ``dpregistry``
-entry-point group; dpregistry's own plugins load exactly the same way.
+simonw/llm's ``register_models(register)``; ``register("package.module:StageClass", name="x")``
+registers it lazily, imported only when a recipe or command uses it. Plugins are found through
+the ``dpregistry`` entry-point group; dpregistry's own plugins load exactly the same way.
 """
 
 import pluggy

@@ -1,9 +1,25 @@
-"""The plugin registry: a pluggy ``PluginManager("dpregistry")`` fed from entry points."""
+"""The plugin registry: a pluggy ``PluginManager("dpregistry")`` fed from entry points.
+
+Loading every plugin is cheap when plugins are: an entry point should be a small module whose
+hooks name its stages. A stage may be registered as a class, or lazily as a ``"module:Class"``
+string with its name, and is then imported only when a recipe or command uses it. So
+``dpreg privacy calibrate`` imports the accountant it needs and nothing with torch in it, while
+every name is still known up front, which is what lets the registry refuse two plugins that
+claim one name.
+
+A plugin that fails (its import or its hooks raise) is skipped with a one-line warning naming its
+distribution; the other plugins keep working, ``dpreg plugins`` lists it as broken, and a recipe
+that names a stage it might have provided is told so.
+"""
 
 from __future__ import annotations
 
 import difflib
+import importlib
+import re
+import sys
 from dataclasses import dataclass
+from functools import cached_property
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -11,33 +27,84 @@ import pluggy
 
 from . import hookspecs
 from .errors import UserError
-from .stages import Algorithm, Estimator, Objective, Privatizer, Sampler, Stage, UpdateRule
-from .privacy.accountant import Accountant
 
 ENTRY_POINT_GROUP = "dpregistry"
 
-#: kind -> (hook name, base class)
-KINDS: dict[str, tuple[str, type]] = {
-    "objective": ("dpreg_register_objectives", Objective),
-    "sampler": ("dpreg_register_samplers", Sampler),
-    "estimator": ("dpreg_register_estimators", Estimator),
-    "privatizer": ("dpreg_register_privatizers", Privatizer),
-    "update_rule": ("dpreg_register_update_rules", UpdateRule),
-    "accountant": ("dpreg_register_accountants", Accountant),
-    "algorithm": ("dpreg_register_algorithms", Algorithm),
+#: kind -> the hook that registers it
+KINDS: dict[str, str] = {
+    "objective": "dpreg_register_objectives",
+    "sampler": "dpreg_register_samplers",
+    "estimator": "dpreg_register_estimators",
+    "privatizer": "dpreg_register_privatizers",
+    "update_rule": "dpreg_register_update_rules",
+    "accountant": "dpreg_register_accountants",
+    "algorithm": "dpreg_register_algorithms",
 }
+
+#: kind -> its base class, imported when first needed (the stage contracts import pydantic)
+_BASES = {kind: ("dpregistry.stages", cls) for kind, cls in [
+    ("objective", "Objective"), ("sampler", "Sampler"), ("estimator", "Estimator"),
+    ("privatizer", "Privatizer"), ("update_rule", "UpdateRule"), ("algorithm", "Algorithm")]}
+_BASES["accountant"] = ("dpregistry.privacy.accountant", "Accountant")
+
+#: a lazily registered stage: "package.module:Class" (or "...:Outer.Inner")
+_TARGET = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+
+def base_class(kind: str) -> type:
+    module, name = _BASES[kind]
+    return getattr(importlib.import_module(module), name)
 
 
 class PluginConflict(UserError):
     pass
 
 
+class PluginBroken(UserError):
+    """A plugin (or one of its lazily registered stages) failed to import."""
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line, cut at ``limit`` characters (a plugin's message may be long)."""
+    text = " ".join(str(e).split())
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _check_stage(cls: Any, kind: str, origin: str) -> None:
+    base = base_class(kind)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise TypeError(f"{origin}: a {kind} must subclass dpregistry.{base.__name__}, got {cls!r}")
+
+
 @dataclass(frozen=True)
 class Entry:
     kind: str
     name: str
-    cls: type
+    target: type | str  # the class, or "module:Class" imported on first use
     origin: str  # "distribution version (plugin)"
+    plugin: str = ""  # the plugin's name (its entry point), when it has one
+
+    @cached_property
+    def cls(self) -> type:
+        if not isinstance(self.target, str):
+            return self.target
+        module, _, attr = self.target.partition(":")
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except (Exception, SystemExit) as e:  # a third-party plugin may raise anything on import
+            raise PluginBroken(f"{self.kind} {self.name!r} of {self.origin} failed to load ({self.target}): "
+                               f"{one_line(e)}") from None
+        _check_stage(obj, self.kind, self.origin)
+        return obj
+
+    @property
+    def distribution(self) -> str:
+        """``name version`` of the distribution that provides it."""
+        suffix = f" ({self.plugin})"
+        return self.origin[:-len(suffix)] if self.plugin and self.origin.endswith(suffix) else self.origin
 
     @property
     def description(self) -> str:
@@ -48,43 +115,86 @@ class Entry:
                 "description": self.description}
 
 
+@dataclass(frozen=True)
+class Broken:
+    """An entry point that could not be loaded, and why."""
+
+    plugin: str        # the entry point's name
+    distribution: str  # "name version"
+    error: str         # one line
+
+    @property
+    def message(self) -> str:
+        return (f"plugin {self.plugin!r} of {self.distribution} failed to load and is skipped: {self.error}")
+
+
 class Registry:
     def __init__(self):
         self.pm = pluggy.PluginManager("dpregistry")
         self.pm.add_hookspecs(hookspecs)
         self.entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
+        self.broken: list[Broken] = []
 
     def load_entry_points(self) -> "Registry":
+        """Load every plugin of the entry-point group. A plugin that raises is recorded in
+        ``broken`` and skipped; two plugins claiming one name stop everything (PluginConflict):
+        which of them a recipe would get is not for the registry to guess."""
         for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
             if self.pm.has_plugin(ep.name):
                 continue
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
-            self.add_plugin(ep.load(), origin=f"{dist} ({ep.name})", name=ep.name)
+            try:
+                self.add_plugin(ep.load(), origin=f"{dist} ({ep.name})", name=ep.name)
+            except PluginConflict:
+                raise
+            except (Exception, SystemExit) as e:  # anything a third-party import may raise, but Ctrl-C
+                self.broken.append(Broken(ep.name, dist, one_line(e)))
         return self
 
     def add_plugin(self, plugin: Any, origin: str, name: str | None = None) -> None:
-        """Register a plugin object (a module or an instance with hookimpls) and its stages."""
+        """Register a plugin object (a module or an instance with hookimpls) and its stages; all
+        or nothing: a plugin whose hooks raise leaves the registry as it was."""
         self.pm.register(plugin, name=name)
-        others = [p for p in self.pm.get_plugins() if p is not plugin]
-        for kind, (hook, _) in KINDS.items():
-            caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
-            caller(register=self._registrar(kind, origin))
+        try:
+            pending: list[Entry] = []
+            others = [p for p in self.pm.get_plugins() if p is not plugin]
+            for kind, hook in KINDS.items():
+                caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
+                caller(register=self._registrar(kind, origin, name or "", pending))
+        except BaseException:
+            self.pm.unregister(plugin)
+            raise
+        for e in pending:
+            self.entries[e.kind][e.name] = e
 
-    def _registrar(self, kind: str, origin: str):
-        base = KINDS[kind][1]
-
-        def register(cls: type, name: str | None = None) -> None:
-            if not (isinstance(cls, type) and issubclass(cls, base)):
-                raise TypeError(f"{origin}: a {kind} must subclass dpregistry.{base.__name__}, got {cls!r}")
-            name = name or cls.name
-            if not name:
-                raise TypeError(f"{origin}: {cls.__name__} has no name")
-            old = self.entries[kind].get(name)
-            if old is not None:
-                raise PluginConflict(f"{kind} {name!r} is registered twice: by {old.origin} and by {origin}")
-            self.entries[kind][name] = Entry(kind, name, cls, origin)
+    def _registrar(self, kind: str, origin: str, plugin: str, pending: list[Entry]):
+        def register(cls: type | str, name: str | None = None) -> None:
+            if isinstance(cls, str):
+                if not _TARGET.fullmatch(cls):
+                    raise TypeError(f"{origin}: a lazily registered {kind} is 'package.module:Class', got {cls!r}")
+                if not name:
+                    raise TypeError(f"{origin}: the {kind} {cls!r} is registered lazily, so it needs name=")
+            else:
+                _check_stage(cls, kind, origin)
+                name = name or cls.name
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"{origin}: {getattr(cls, '__name__', cls)} has no name")
+            entry = Entry(kind, name, cls, origin, plugin)
+            self._refuse_clash(entry, pending)
+            pending.append(entry)
 
         return register
+
+    def _refuse_clash(self, new: Entry, pending: list[Entry]) -> None:
+        """Names are unique within a kind, and so are their case-folded forms: `Gaussian` next
+        to `gaussian` would let a typo, or a hostile plugin, pick another stage than meant."""
+        taken = [*self.entries[new.kind].values(), *(e for e in pending if e.kind == new.kind)]
+        for old in taken:
+            if old.name == new.name:
+                raise PluginConflict(f"{new.kind} {new.name!r} is registered twice: by {old.origin} and by {new.origin}")
+            if old.name.casefold() == new.name.casefold():
+                raise PluginConflict(f"{new.kind} {new.name!r} of {new.origin} differs only by case from "
+                                     f"{old.name!r} of {old.origin}; stage names must differ by more than case")
 
     def get(self, kind: str, name: str) -> Entry:
         table = self.entries[kind]
@@ -93,7 +203,9 @@ class Registry:
         close = difflib.get_close_matches(name, table, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         known = ", ".join(sorted(table)) or "none"
-        raise UserError(f"unknown {kind.replace('_', ' ')} {name!r}{hint} (registered: {known})")
+        broken = "".join(f"; it may come from {b.plugin!r} of {b.distribution}, which failed to load ({b.error})"
+                         for b in self.broken)
+        raise UserError(f"unknown {kind.replace('_', ' ')} {name!r}{hint}{broken} (registered: {known})")
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.entries[kind])
@@ -107,16 +219,27 @@ class StagePlugin:
 
     In your package: ``plugin = StagePlugin(MyPrivatizer, MyAlgorithm)``, and in pyproject.toml
     ``[project.entry-points.dpregistry] mine = "my_package:plugin"``. Each class is registered by
-    the hook of the kind it subclasses.
+    the hook of the kind it subclasses. To keep ``dpreg`` quick, name the stages instead and let
+    them be imported on first use::
+
+        plugin = StagePlugin(lazy={"privatizer": {"mine": "my_package.privatizers:MyPrivatizer"}})
     """
 
-    def __init__(self, *classes: type):
+    def __init__(self, *classes: type, lazy: dict[str, dict[str, str]] | None = None):
+        unknown = set(lazy or ()) - set(KINDS)
+        if unknown:
+            raise TypeError(f"unknown stage kinds {sorted(unknown)}; the kinds are {', '.join(KINDS)}")
         self.classes = classes
+        self.lazy = lazy or {}
 
     def _register(self, kind: str, register) -> None:
-        for cls in self.classes:
-            if issubclass(cls, KINDS[kind][1]):
-                register(cls)
+        if self.classes:
+            base = base_class(kind)
+            for cls in self.classes:
+                if issubclass(cls, base):
+                    register(cls)
+        for name, target in self.lazy.get(kind, {}).items():
+            register(target, name=name)
 
     @hookspecs.hookimpl
     def dpreg_register_objectives(self, register):
@@ -151,10 +274,13 @@ _registry: Registry | None = None
 
 
 def get_registry() -> Registry:
-    """The process-wide registry, loaded from entry points on first use."""
+    """The process-wide registry, loaded from entry points on first use; each broken plugin is
+    reported once, in one line on stderr."""
     global _registry
     if _registry is None:
         _registry = Registry().load_entry_points()
+        for b in _registry.broken:
+            print(f"warning: {b.message}", file=sys.stderr)
     return _registry
 
 
@@ -163,4 +289,5 @@ def reset_registry() -> None:
     _registry = None
 
 
-__all__ = ["Registry", "Entry", "StagePlugin", "get_registry", "reset_registry", "KINDS", "PluginConflict", "Stage"]
+__all__ = ["Registry", "Entry", "Broken", "StagePlugin", "get_registry", "reset_registry", "KINDS",
+           "PluginConflict", "PluginBroken", "base_class"]

@@ -25,24 +25,43 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return read_rows(path) if path.exists() else []
 
 
-def _plot(path: Path, series: list[tuple[str, list, list]], title: str, limits: dict[str, float] | None = None) -> None:
+Series = tuple[str, list, list]  # (label, steps, values)
+
+
+def _figure(series: list[Series], title: str, limits: dict[str, float] | None = None, last_step: int | None = None):
+    """One panel per series against steps, read at a glance: every panel spans steps 0 to the
+    run's last step (so an early curve is seen as early, and one evaluation is not a lone dot on
+    an empty axis), ticks at whole steps, points marked when there are few, and a series with a
+    limit (the ε target) drawn with it as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     limits = limits or {}
     fig, axes = plt.subplots(1, len(series), figsize=(4.2 * len(series), 3.2), squeeze=False)
+    end = max([last_step or 0, *(x for _, xs, _ in series for x in xs)]) or 1
     for ax, (label, xs, ys) in zip(axes[0], series):
-        ax.plot(xs, ys, marker="." if len(xs) < 40 else None)
+        ax.plot(xs, ys, marker="o" if len(xs) < 40 else None, markersize=4)
         if label in limits:
-            ax.axhline(limits[label], color="tab:red", linestyle="--", linewidth=1, label="budget")
+            ax.axhline(limits[label], color="tab:red", linestyle="--", linewidth=1.2,
+                       label=f"target {limits[label]:g}")
+            ax.set_ylim(bottom=0)
             ax.legend(loc="lower right")
+        ax.set_xlim(-0.03 * end, 1.03 * end)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     tmp = ckpt.temp_path(Path(path))
     try:
         fig.savefig(tmp, dpi=110, format="png")
@@ -50,6 +69,11 @@ def _plot(path: Path, series: list[tuple[str, list, list]], title: str, limits: 
     finally:
         tmp.unlink(missing_ok=True)
         plt.close(fig)
+
+
+def _plot(path: Path, series: list[Series], title: str, limits: dict[str, float] | None = None,
+          last_step: int | None = None) -> None:
+    _save(_figure(series, title, limits, last_step), path)
 
 
 def spent_curve(acc: Accountant, ledger: Ledger, points: int = 25) -> list[tuple[int, float]]:
@@ -96,7 +120,7 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
     plot_path = None
     if plot and curve:
         plot_path = run_dir / PLOT_NAME
-        _plot(plot_path, [(label, [k for k, _ in curve], [v for _, v in curve])],
+        _plot(plot_path, [(label, [0] + [k for k, _ in curve], [0.0] + [v for _, v in curve])],
               f"{recipe['algorithm']['name']}: privacy spent ({acc.name}, "
               f"{privacy['relation'].replace('_', '-')})",
               {label: target} if target is not None and math.isfinite(target) else None)
@@ -157,40 +181,29 @@ def write_report(run_dir: Path) -> list[Path]:
     written: list[Path] = []
     figures: list[tuple[str, str]] = []
 
-    def figure(name: str, caption: str, series, title: str) -> None:
+    def figure(name: str, caption: str, series, title: str, limits=None) -> None:
         series = [s for s in series if s[1]]
         if not series:
             return
         try:
-            _plot(out / name, series, title)
+            _plot(out / name, series, title, limits, last_step=rep["step"])
         except OSError as e:
             raise UserError(f"cannot write the report ({e.strerror or e})", file=str(out)) from None
         written.append(out / name)
         figures.append((caption, name))
 
-    xs, ys = _series(rows, "loss")
+    loss = ("training loss", *_series(rows, "loss"))
+    eval_series = _eval_series(rows, summary)
+    eps = ("ε spent", *_epsilon_series(rows, rep))
+    target = rep["target_epsilon"]
+    eps_limit = {"ε spent": target} if isinstance(target, (int, float)) and math.isfinite(target) else None
+    figure("overview.png", "Overview: training loss, held-out metric and ε spent against steps",
+           [loss, *_main_metric(eval_series), eps], f"{alg}: overview", eps_limit)
     figure("loss.png", "Training loss (private batch, before noise; a diagnostic, not covered by the "
-           "guarantee)", [("training loss", xs, ys)], f"{alg}: training loss")
-    eval_keys = sorted({k for r in rows for k in r if k.startswith("eval/")})
-    final_metrics = summary.get("metrics") or {}
-    eval_series = []
-    for k in eval_keys:
-        xs, ys = _series(rows, k)
-        name = k[len("eval/"):]
-        if isinstance(final_metrics.get(name), (int, float)) and (not xs or xs[-1] != summary.get("step")):
-            xs, ys = xs + [summary["step"]], ys + [final_metrics[name]]
-        eval_series.append((f"held-out {name}", xs, ys))
-    if not eval_series:  # no periodic evaluation: the final held-out metrics alone
-        eval_series = [(f"held-out {k}", [summary["step"]], [v]) for k, v in sorted(final_metrics.items())
-                       if isinstance(v, (int, float))]
+           "guarantee)", [loss], f"{alg}: training loss")
     figure("eval.png", "Held-out metrics", eval_series, f"{alg}: held-out metrics")
-    xs, ys = _series(rows, "epsilon")
-    if rep["epsilon"] is not None:  # nothing is spent before the first step
-        xs, ys = [0] + xs, [0.0] + ys
-    if rep["epsilon"] is not None and xs[-1] != rep["step"]:
-        xs, ys = xs + [rep["step"]], ys + [rep["epsilon"]]
-    figure("epsilon.png", "Privacy spent", [("ε spent", xs, ys)],
-           f"{alg}: ε spent ({rep['accountant']}, δ = {_num(rep['delta'])})")
+    figure("epsilon.png", "Privacy spent", [eps], f"{alg}: ε spent ({rep['accountant']}, δ = {_num(rep['delta'])})",
+           eps_limit)
 
     if summary:
         status = f"stopped at step {summary['step']}: {summary['stopped']}" if summary.get("stopped") \
@@ -200,7 +213,9 @@ def write_report(run_dir: Path) -> list[Path]:
     lines = [f"# Run report: {alg}", ""]
     if recipe.get("description"):
         lines += [recipe["description"], ""]
-    lines += [f"Status: {status}.", "", "## Privacy", "", "| quantity | value |", "|---|---|",
+    overview = [f"![{cap}]({name})" for cap, name in figures if name == "overview.png"]
+    lines += [f"Status: {status}.", ""] + (overview + [""] if overview else [])
+    lines += ["## Privacy", "", "| quantity | value |", "|---|---|",
               f"| ε spent | {_num(rep['epsilon'])} |", f"| target ε | {_num(rep['target_epsilon'])} |",
               f"| δ | {_num(rep['delta'])} |"]
     if summary.get("rho") is not None or recipe["privacy"].get("rho") is not None:
@@ -214,12 +229,13 @@ def write_report(run_dir: Path) -> list[Path]:
         part = f", partition {e['partition']}" if e.get("partition") else ""
         lines.append(f"- steps {e['first_step']}–{e['last_step']}: {e['count']} × {e['describe']}{part}")
     lines.append("")
+    final_metrics = summary.get("metrics") or {}
     if final_metrics:
         lines += ["## Held-out metrics (final)", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {_num(v)} |" for k, v in final_metrics.items()]
         lines.append("")
     if figures:
-        lines += ["## Plots", ""] + [f"![{cap}]({name})" for cap, name in figures] + [""]
+        lines += ["## Plots", ""] + [f"![{cap}]({name})" for cap, name in figures if name != "overview.png"] + [""]
     lines += ["## Provenance", "", f"- recipe hash: `{summary.get('recipe_hash') or _recipe_hash(run_dir)}`",
               f"- seed: {recipe.get('seed')}"]
     for k, v in (summary.get("versions") or {}).items():
@@ -234,6 +250,40 @@ def write_report(run_dir: Path) -> list[Path]:
     except OSError as e:
         raise UserError(f"cannot write the report ({e.strerror or e})", file=str(out)) from None
     return [md] + written
+
+
+def _eval_series(rows: list[dict[str, Any]], summary: dict[str, Any]) -> list[Series]:
+    """Each held-out metric over steps, ending with the final evaluation of a finished run."""
+    final = summary.get("metrics") or {}
+    out = []
+    for k in sorted({k for r in rows for k in r if k.startswith("eval/")}):
+        xs, ys = _series(rows, k)
+        name = k[len("eval/"):]
+        if isinstance(final.get(name), (int, float)) and (not xs or xs[-1] != summary.get("step")):
+            xs, ys = xs + [summary["step"]], ys + [final[name]]
+        out.append((f"held-out {name}", xs, ys))
+    if not out:  # no periodic evaluation: the final held-out metrics alone
+        out = [(f"held-out {k}", [summary["step"]], [v]) for k, v in sorted(final.items())
+               if isinstance(v, (int, float))]
+    return out
+
+
+def _main_metric(eval_series: list[Series]) -> list[Series]:
+    """The held-out metric of the overview: accuracy if there is one, else the first that is not
+    the loss, else the loss."""
+    rank = {"held-out accuracy": 0}
+    ordered = sorted(eval_series, key=lambda s: rank.get(s[0], 2 if s[0] == "held-out loss" else 1))
+    return ordered[:1]
+
+
+def _epsilon_series(rows: list[dict[str, Any]], rep: dict[str, Any]) -> tuple[list, list]:
+    """ε after each logged step, from 0 before the first step to the newest checkpoint's ledger."""
+    xs, ys = _series(rows, "epsilon")
+    if rep["epsilon"] is not None:  # nothing is spent before the first step
+        xs, ys = [0] + xs, [0.0] + ys
+    if rep["epsilon"] is not None and xs[-1] != rep["step"]:
+        xs, ys = xs + [rep["step"]], ys + [rep["epsilon"]]
+    return xs, ys
 
 
 def _recipe_hash(run_dir: Path) -> str:

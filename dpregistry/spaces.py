@@ -32,15 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from .directions import Direction
-
-DENSE = "dense"
-SEEDED_DIRECTION = "seeded_direction"
-VECTOR_ZO = "vector_zo"
-PROJECTED = "projected"
-SPACES = (DENSE, SEEDED_DIRECTION, VECTOR_ZO, PROJECTED)
-
-GRADIENT = "gradient"    # an estimate of the gradient itself
-INCREMENT = "increment"  # a change to a running estimate (SPIDER, variance reduction)
+from .space_names import DENSE, GRADIENT, INCREMENT, PROJECTED, SEEDED_DIRECTION, SPACES, VECTOR_ZO  # noqa: F401
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -33,14 +33,16 @@ import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
-from .spaces import DENSE, GRADIENT, Aggregate, Contribution
+from .space_names import DENSE, GRADIENT
 from .privacy.events import PrivacyEvent
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from .engine import Run
+    from .spaces import Aggregate, Contribution
 
 
 class StageParams(BaseModel):
@@ -61,8 +63,9 @@ class Stage:
 
     @classmethod
     def description(cls) -> str:
+        """The docstring's first paragraph, on one line (a first line alone may stop mid-sentence)."""
         doc = (cls.__doc__ or "").strip()
-        return doc.splitlines()[0] if doc else ""
+        return " ".join(doc.split("\n\n")[0].split())
 
     def setup(self, run: "Run") -> None:
         """Bind to a run (the objective, parameters and other stages exist by now)."""

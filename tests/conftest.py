@@ -16,17 +16,23 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 
 
+#: 1,024 training and 300 test rows of SST-2, shipped with the tests (see tests/data/README.md)
+SST2_SUBSET = REPO / "tests" / "data" / "sst2"
+
+
 def sst2_path() -> Path:
-    """SST-2 for tests: $DPREG_SST2_DIR, else ../shared/data/sst2 beside the checkout (CI)."""
+    """SST-2 for tests: $DPREG_SST2_DIR (a full copy) when set, else the subset in tests/data."""
     env = os.environ.get("DPREG_SST2_DIR")
-    return Path(env) if env else REPO.parent / "shared" / "data" / "sst2"
+    return Path(env) if env else SST2_SUBSET
 
 
 @pytest.fixture(scope="session")
 def sst2_dir() -> Path:
+    """A folder with train.tsv and test.tsv (sentence<TAB>label), at least 512 rows per class in
+    train.tsv. Tests that assert numbers which depend on the rows use ``SST2_SUBSET`` itself."""
     p = sst2_path()
-    if not (p / "train.tsv").exists():
-        pytest.fail(f"SST-2 not found at {p}; set DPREG_SST2_DIR to a folder with train.tsv and test.tsv")
+    if not (p / "train.tsv").is_file() or not (p / "test.tsv").is_file():
+        pytest.fail(f"DPREG_SST2_DIR={p} has no train.tsv and test.tsv; unset it to use the subset in tests/data")
     return p
 
 

@@ -176,3 +176,177 @@ def test_a_second_plugin_with_a_taken_name_is_refused_naming_both(plugin_venv):
     assert res.returncode == 2
     assert "dpreg-clash-plugin 0.0.1" in res.stderr and "dpregistry 0.1.0 (baseline)" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# lazy stages, names that differ only by case, broken plugins
+# ------------------------------------------------------------------------------------------
+
+
+def test_every_lazily_registered_stage_loads_with_its_name_and_kind():
+    """Our plugins name their stages as "module:Class" strings; each must import, subclass its
+    kind's base and carry the name it is registered under (a drifted table is caught here)."""
+    from dpregistry.registry import base_class
+
+    entries = get_registry().all()
+    assert len(entries) > 60 and all(isinstance(e.target, str) for e in entries)
+    for e in entries:
+        assert issubclass(e.cls, base_class(e.kind)) and e.cls.name == e.name, e.target
+
+
+def case_clash_plugin(target):
+    class Plugin:
+        @hookimpl
+        def dpreg_register_privatizers(self, register):
+            register(target, name=None if isinstance(target, type) else "Gaussian")
+
+    return Plugin()
+
+
+class Shouting(Privatizer):
+    """A name that differs from `gaussian` only by case."""
+
+    name = "Gaussian"
+
+
+@pytest.mark.parametrize("target", [Shouting, "elsewhere.module:Shouting"], ids=["class", "lazy"])
+def test_a_name_that_differs_only_by_case_is_refused_naming_both(target):
+    reg = Registry().load_entry_points()
+    with pytest.raises(PluginConflict) as e:
+        reg.add_plugin(case_clash_plugin(target), origin="shouty-plugin 1.0 (shouty)", name="shouty")
+    msg = str(e.value)
+    assert "'Gaussian'" in msg and "'gaussian'" in msg and "differs only by case" in msg
+    assert "shouty-plugin 1.0 (shouty)" in msg and "dpregistry 0.1.0 (baseline)" in msg
+    # nothing of the refused plugin stays behind
+    assert not reg.pm.has_plugin("shouty") and reg.names("privatizer") == get_registry().names("privatizer")
+
+
+def test_two_names_of_one_plugin_that_differ_only_by_case_are_refused():
+    class Plugin:
+        @hookimpl
+        def dpreg_register_accountants(self, register):
+            register("a.b:Mine", name="my_accountant")
+            register("a.b:Mine", name="My_Accountant")
+
+    with pytest.raises(PluginConflict, match="differs only by case from 'my_accountant'"):
+        Registry().add_plugin(Plugin(), origin="mine 1 (mine)", name="mine")
+
+
+def test_a_plugin_whose_hook_raises_leaves_the_registry_as_it_was():
+    class Fine(Privatizer):
+        """Registered before the hook fails."""
+
+        name = "fine_but_doomed"
+
+    class Plugin:
+        @hookimpl
+        def dpreg_register_privatizers(self, register):
+            register(Fine)
+            raise RuntimeError("the plugin's own bug")
+
+    reg = Registry()
+    with pytest.raises(RuntimeError, match="own bug"):
+        reg.add_plugin(Plugin(), origin="buggy 1 (buggy)", name="buggy")
+    assert reg.names("privatizer") == [] and not reg.pm.has_plugin("buggy")
+
+
+def fake_distribution(root: Path, dist: str, module: str, source: str, obj: str = "") -> None:
+    """An installed distribution without pip: importlib.metadata reads NAME-VERSION.dist-info
+    folders on sys.path, and its entry_points.txt puts ``module`` in the dpregistry group."""
+    (root / f"{module}.py").write_text(textwrap.dedent(source))
+    info = root / f"{dist.replace('-', '_')}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[dpregistry]\n{module} = {module}{obj and ':' + obj}\n")
+
+
+def dpreg_with(path: Path, *args, columns: int | None = None):
+    """`python -m dpregistry ARGS` with ``path`` ahead of this environment's import path."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))}
+    if columns:
+        env["COLUMNS"] = str(columns)
+    return subprocess.run([sys.executable, "-m", "dpregistry", *args], capture_output=True, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def broken_plugins(tmp_path_factory):
+    """Two third-party plugins: one raises on import, one names a stage whose module is missing."""
+    root = tmp_path_factory.mktemp("broken")
+    fake_distribution(root, "dpreg-boom", "dpreg_boom", 'raise RuntimeError("boom at import")\n')
+    fake_distribution(root, "dpreg-half", "dpreg_half", '''\
+        from dpregistry import StagePlugin
+
+        plugin = StagePlugin(lazy={"privatizer": {"half_gaussian": "dpreg_half.gone:HalfGaussian"}})
+        ''', obj="plugin")
+    return root
+
+
+def validate_with_privatizer(root: Path, tmp_path: Path, name: str):
+    recipe = tmp_path / f"{name}.yaml"
+    recipe.write_text(textwrap.dedent(f"""\
+        algorithm: dp_sgd
+        objective: {{name: tabular, model: {{kind: linear}}, data: {{dataset: iris}}}}
+        privatizer: {{name: {name}, clip: 1.0}}
+        privacy: {{epsilon: 10.0, delta: 1.0e-3}}
+        train: {{steps: 4}}
+        """))
+    return dpreg_with(root, "validate", str(recipe))
+
+
+def test_a_plugin_that_raises_on_import_is_reported_once_and_the_rest_keep_working(broken_plugins, tmp_path):
+    warning = ("warning: plugin 'dpreg_boom' of dpreg-boom 1.0 failed to load and is skipped: "
+               "RuntimeError: boom at import")
+    listed = dpreg_with(broken_plugins, "plugins", columns=80)
+    assert listed.returncode == 0 and listed.stderr.splitlines() == [warning]
+    out = listed.stdout
+    assert "broken plugins (1, not loaded)" in out and "dpreg_boom  dpreg-boom 1.0: RuntimeError: boom at import" in out
+    assert "\n  gaussian " in out  # the others are listed as usual
+    # the lazily registered stage whose module is missing is listed, marked broken
+    assert "half_gaussian" in out and "broken: privatizer 'half_gaussian' of dpreg-half 1.0" in " ".join(out.split())
+
+    calibrated = dpreg_with(broken_plugins, "privacy", "calibrate", "--epsilon", "3", "--delta", "1e-5",
+                            "--steps", "100", "--sample-rate", "0.01", "--json")
+    assert calibrated.returncode == 0 and calibrated.stderr.splitlines() == [warning]
+    assert json.loads(calibrated.stdout)["epsilon"] <= 3.0
+
+    # a recipe naming a stage that the broken plugin may have provided says so, in one line
+    res = validate_with_privatizer(broken_plugins, tmp_path, "boom_gaussian")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    error = res.stderr.splitlines()[1:]
+    assert len(error) == 1 and "unknown privatizer 'boom_gaussian'" in error[0]
+    assert "'dpreg_boom' of dpreg-boom 1.0, which failed to load (RuntimeError: boom at import)" in error[0]
+
+
+def test_a_recipe_naming_a_stage_that_fails_to_import_gets_one_line(broken_plugins, tmp_path):
+    res = validate_with_privatizer(broken_plugins, tmp_path, "half_gaussian")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    (error,) = res.stderr.splitlines()[1:]
+    assert error.startswith("error: ") and "privatizer 'half_gaussian' of dpreg-half 1.0 (dpreg_half) failed to " \
+        "load (dpreg_half.gone:HalfGaussian): ModuleNotFoundError" in error
+
+
+# ------------------------------------------------------------------------------------------
+# `dpreg plugins` in a terminal
+# ------------------------------------------------------------------------------------------
+
+
+def test_plugins_are_grouped_by_kind_and_fit_80_columns_with_whole_names(tmp_path):
+    from rich.cells import cell_len
+
+    from dpregistry.registry import KINDS
+
+    res = dpreg_with(tmp_path, "plugins", columns=80)
+    assert res.returncode == 0 and res.stderr == ""
+    lines = res.stdout.splitlines()
+    assert max(cell_len(line) for line in lines) <= 80
+    headings = [line.split(" (")[0] for line in lines if line and not line.startswith(" ") and "(" in line
+                and not line.startswith("plugins of")]
+    assert headings == [k.replace("_", " ") + "s" for k in KINDS]
+    # each stage: its whole name, then its whole description (wrapped, never cut) and its plugin
+    flowing = " ".join(res.stdout.split())
+    for e in get_registry().all():
+        assert f" {e.name} {' '.join(e.description.split())} ({e.plugin})" in flowing, e.name
+        assert any(line.startswith(f"  {e.name} ") for line in lines)
+    assert "plugins of dpregistry 0.1.0: accounting, baseline, dpzero, grape, kl, klt, nonsmooth, ztc" in flowing

@@ -61,15 +61,18 @@ def finished(tmp_path_factory):
     return root / "out", res
 
 
-def test_report_writes_the_markdown_and_three_plots(finished):
+def test_report_writes_the_markdown_and_four_plots(finished):
     out, res = finished
-    names = ["report.md", "loss.png", "eval.png", "epsilon.png"]
+    names = ["report.md", "overview.png", "loss.png", "eval.png", "epsilon.png"]
     assert sorted(p.name for p in (out / "report").iterdir()) == sorted(names)
     for n in names:
         assert str(out / "report" / n) in res.stdout
     for n in names[1:]:
         check_png(out / "report" / n)
         assert f"]({n})" in (out / "report" / "report.md").read_text()  # linked from the markdown
+    # the overview comes first, right under the status line
+    md = (out / "report" / "report.md").read_text()
+    assert md.index("](overview.png)") < md.index("## Privacy")
 
 
 def test_the_markdown_states_what_summary_json_holds(finished):
@@ -113,5 +116,94 @@ def test_the_report_of_an_interrupted_run_uses_its_newest_checkpoint(tmp_path):
     expected = resume_run(out, warn=lambda m: None).epsilon()  # ε of the ledger at step 8
     assert num(table(md, "Privacy")["ε spent"]) == pytest.approx(expected, rel=1e-5)
     assert "Held-out metrics (final)" not in md  # no final metrics for an unfinished run
-    for n in ("loss.png", "eval.png", "epsilon.png"):
+    for n in ("overview.png", "loss.png", "eval.png", "epsilon.png"):
         check_png(out / "report" / n)
+
+
+# ------------------------------------------------------------------------------------------
+# plots read at a glance, checked on matplotlib's own artists
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """write_report(run_dir) -> {file name: the drawn figure} instead of PNG files."""
+    from matplotlib import pyplot as plt
+
+    from dpregistry import report
+
+    drawn = {}
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        drawn[path.name] = fig
+
+    monkeypatch.setattr(report, "_save", keep)
+
+    def build(run_dir):
+        drawn.clear()
+        report.write_report(run_dir)
+        return dict(drawn)
+
+    yield build
+    plt.close("all")
+
+
+def whole_steps(ax) -> list[float]:
+    lo, hi = ax.get_xlim()
+    return [t for t in ax.get_xticks() if lo <= t <= hi]
+
+
+def target_lines(ax, value):
+    return [ln for ln in ax.get_lines() if ln.get_label().startswith("target")
+            and set(ln.get_ydata()) == {value} and ln.get_linestyle() == "--"]
+
+
+def test_plots_span_whole_steps_from_0_and_draw_the_epsilon_target(finished, figures):
+    out, _ = finished
+    figs = figures(out)
+    assert set(figs) == {"overview.png", "loss.png", "eval.png", "epsilon.png"}
+    for name, fig in figs.items():
+        for ax in fig.axes:
+            ticks = whole_steps(ax)
+            assert len(ticks) >= 3 and all(t == int(t) for t in ticks), (name, ticks)  # no step 2.5
+            lo, hi = ax.get_xlim()
+            assert lo <= 0 and hi >= 12, name  # every panel spans the whole run, from step 0
+            assert ax.get_xlabel() == "step"
+    overview = figs["overview.png"].axes
+    assert [ax.get_ylabel() for ax in overview] == ["training loss", "held-out accuracy", "ε spent"]
+    for ax in (overview[2], figs["epsilon.png"].axes[0]):
+        assert len(target_lines(ax, 50.0)) == 1  # the recipe's ε = 50, as a dashed line
+        assert ax.get_ylim()[1] >= 50.0  # and within view
+        (curve,) = [ln for ln in ax.get_lines() if not ln.get_label().startswith("target")]
+        assert curve.get_xdata()[0] == 0 and curve.get_ydata()[0] == 0.0  # nothing spent before step 1
+
+
+@pytest.mark.parametrize("steps", [2, 3, 15])
+def test_a_short_run_has_whole_step_ticks(steps):
+    """Left alone, matplotlib ticks 2 or 3 steps at halves, and 15 steps at 2.5, 7.5, 12.5."""
+    from matplotlib import pyplot as plt
+
+    from dpregistry.report import _figure
+
+    fig = _figure([("loss", list(range(1, steps + 1)), [1.0] * steps)], "short", last_step=steps)
+    fig.canvas.draw()
+    ticks = whole_steps(fig.axes[0])
+    plt.close(fig)
+    assert ticks[0] == 0 and len(ticks) >= 3 and all(t == int(t) for t in ticks)
+
+
+def test_one_evaluation_is_a_visible_point_on_the_run_s_axis(tmp_path, figures):
+    """Evaluated only at the end: the held-out plot has one marked point, drawn inside axes
+    that start at step 0, not a lone dot in the middle of an axis autoscaled around it."""
+    out = tmp_path / "out"
+    recipe = {**RECIPE, "train": {**RECIPE["train"], "eval_every": 12}}
+    make_run(recipe, tmp_path, out=out).train()
+    figs = figures(out)
+    for ax in figs["eval.png"].axes + [figs["overview.png"].axes[1]]:
+        (line,) = ax.get_lines()
+        assert list(line.get_xdata()) == [12] and line.get_marker() == "o" and line.get_markersize() >= 4
+        x, y = ax.transData.transform((12, line.get_ydata()[0]))
+        box = ax.get_window_extent()
+        assert box.x0 < x < box.x1 and box.y0 < y < box.y1  # drawn inside the axes
+        assert ax.get_xlim()[0] <= 0 and whole_steps(ax)[0] == 0

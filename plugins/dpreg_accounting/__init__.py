@@ -2,6 +2,12 @@
 
 from dpregistry import StagePlugin
 
-from .accountants import ACCOUNTANTS
-
-plugin = StagePlugin(*ACCOUNTANTS)
+# Each stage is imported on first use (see dpregistry.registry).
+plugin = StagePlugin(lazy={
+    "accountant": {
+        "pld": "dpreg_accounting.accountants:PldAccountant",
+        "rdp": "dpreg_accounting.accountants:RdpAccountant",
+        "rdp_filter": "dpreg_accounting.accountants:RdpFilter",
+        "zcdp": "dpreg_accounting.accountants:ZcdpAccountant",
+    },
+})

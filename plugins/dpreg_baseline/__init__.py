@@ -2,11 +2,36 @@
 
 from dpregistry import StagePlugin
 
-from .algorithms import ALGORITHMS
-from .estimators import ESTIMATORS
-from .objectives import OBJECTIVES
-from .privatizers import PRIVATIZERS
-from .samplers import SAMPLERS
-from .updates import UPDATE_RULES
-
-plugin = StagePlugin(*OBJECTIVES, *SAMPLERS, *ESTIMATORS, *PRIVATIZERS, *UPDATE_RULES, *ALGORITHMS)
+# Each stage is imported on first use (see dpregistry.registry).
+plugin = StagePlugin(lazy={
+    "objective": {
+        "hf_text_classification": "dpreg_baseline.objectives:HFTextClassification",
+        "quadratic": "dpreg_baseline.objectives:Quadratic",
+        "tabular": "dpreg_baseline.objectives:TabularObjective",
+    },
+    "sampler": {
+        "full_batch": "dpreg_baseline.samplers:FullBatch",
+        "poisson": "dpreg_baseline.samplers:PoissonSampler",
+        "shuffle": "dpreg_baseline.samplers:ShuffleSampler",
+        "uniform": "dpreg_baseline.samplers:UniformSampler",
+    },
+    "estimator": {
+        "per_example_grad": "dpreg_baseline.estimators:PerExampleGrad",
+        "zo_two_point": "dpreg_baseline.estimators:ZOTwoPoint",
+    },
+    "privatizer": {
+        "gaussian": "dpreg_baseline.privatizers:GaussianPrivatizer",
+        "none": "dpreg_baseline.privatizers:NoPrivatizer",
+    },
+    "update_rule": {
+        "adam": "dpreg_baseline.updates:Adam",
+        "directional_sgd": "dpreg_baseline.updates:DirectionalSGD",
+        "sgd": "dpreg_baseline.updates:SGD",
+    },
+    "algorithm": {
+        "dp_adam": "dpreg_baseline.algorithms:DPAdam",
+        "dp_sgd": "dpreg_baseline.algorithms:DPSGD",
+        "mezo": "dpreg_baseline.algorithms:MeZO",
+        "standard": "dpreg_baseline.algorithms:Standard",
+    },
+})

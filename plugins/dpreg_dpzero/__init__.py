@@ -12,9 +12,22 @@
 
 from dpregistry import StagePlugin
 
-from .accountant import KovAdvancedComposition
-from .algorithms import ALGORITHMS
-from .estimators import ESTIMATORS
-from .objectives import OBJECTIVES
-
-plugin = StagePlugin(*OBJECTIVES, *ESTIMATORS, KovAdvancedComposition, *ALGORITHMS)
+# Each stage is imported on first use (see dpregistry.registry).
+plugin = StagePlugin(lazy={
+    "objective": {
+        "causal_lm_prompt": "dpreg_dpzero.objectives:CausalLMPrompt",
+        "masked_lm_prompt": "dpreg_dpzero.objectives:MaskedLMPrompt",
+    },
+    "estimator": {
+        "zo_two_point_vector": "dpreg_dpzero.estimators:ZOTwoPointVector",
+    },
+    "accountant": {
+        "kov_advanced_composition": "dpreg_dpzero.accountant:KovAdvancedComposition",
+    },
+    "algorithm": {
+        "dpgd_0th": "dpreg_dpzero.algorithms:DPGD0th",
+        "dpgd_0th_minibatch": "dpreg_dpzero.algorithms:DPGD0thMinibatch",
+        "dpzero": "dpreg_dpzero.algorithms:DPZero",
+        "dpzero_full_batch": "dpreg_dpzero.algorithms:DPZeroFullBatch",
+    },
+})

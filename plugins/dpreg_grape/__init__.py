@@ -6,9 +6,21 @@ Projection"; the implementation follows specs/003_dpgrape.md (section numbers ci
 
 from dpregistry import StagePlugin
 
-from .algorithms import ALGORITHMS
-from .estimators import ESTIMATORS
-from .objectives import OBJECTIVES
-from .updates import UPDATE_RULES
-
-plugin = StagePlugin(*OBJECTIVES, *ESTIMATORS, *UPDATE_RULES, *ALGORITHMS)
+# Each stage is imported on first use (see dpregistry.registry).
+plugin = StagePlugin(lazy={
+    "objective": {
+        "image_classification": "dpreg_grape.objectives:ImageClassification",
+    },
+    "estimator": {
+        "projected_per_example_grad": "dpreg_grape.estimators:ProjectedPerExampleGrad",
+    },
+    "update_rule": {
+        "galore_adam": "dpreg_grape.updates:GaLoreAdam",
+        "projected_adam": "dpreg_grape.updates:ProjectedAdam",
+        "projected_sgd": "dpreg_grape.updates:ProjectedSGD",
+    },
+    "algorithm": {
+        "dp_galore_naive": "dpreg_grape.algorithms:DPGaLoreNaive",
+        "dp_grape": "dpreg_grape.algorithms:DPGrape",
+    },
+})

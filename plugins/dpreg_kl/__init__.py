@@ -8,10 +8,28 @@ of Alg. 1 (normalised steps) and Alg. 4 (projected GD with a weighted average).
 
 from dpregistry import StagePlugin
 
-from .algorithms import ALGORITHMS
-from .estimators import ESTIMATORS
-from .objectives import OBJECTIVES
-from .privatizers import PRIVATIZERS
-from .updates import UPDATE_RULES
-
-plugin = StagePlugin(*OBJECTIVES, *ESTIMATORS, *PRIVATIZERS, *UPDATE_RULES, *ALGORITHMS)
+# Each stage is imported on first use (see dpregistry.registry).
+plugin = StagePlugin(lazy={
+    "objective": {
+        "kl_least_squares": "dpreg_kl.objectives:LeastSquares",
+        "kl_logistic": "dpreg_kl.objectives:Logistic",
+        "kl_power": "dpreg_kl.objectives:PowerObjective",
+    },
+    "estimator": {
+        "kl_fullbatch_grad": "dpreg_kl.estimators:FullBatchGrad",
+        "spider_fullbatch": "dpreg_kl.estimators:SpiderFullBatch",
+    },
+    "privatizer": {
+        "scheduled_gaussian": "dpreg_kl.privatizers:ScheduledGaussian",
+        "spider_gaussian": "dpreg_kl.privatizers:SpiderGaussian",
+    },
+    "update_rule": {
+        "normalized_step": "dpreg_kl.updates:NormalizedStep",
+        "prox_projected_gd": "dpreg_kl.updates:ProxProjectedGD",
+    },
+    "algorithm": {
+        "adaptive_noisy_gd": "dpreg_kl.algorithms:AdaptiveNoisyGD",
+        "kl_proximal_point": "dpreg_kl.algorithms:KLProximalPoint",
+        "kl_spider": "dpreg_kl.algorithms:KLSpider",
+    },
+})

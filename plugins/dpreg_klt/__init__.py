@@ -7,6 +7,12 @@ theorems' parameter settings are in ``.theory``.
 
 from dpregistry import StagePlugin
 
-from .algorithms import ALGORITHMS
-
-plugin = StagePlugin(*ALGORITHMS)
+# Each stage is imported on first use (see dpregistry.registry).
+plugin = StagePlugin(lazy={
+    "algorithm": {
+        "klt_mp_fo_erm": "dpreg_klt.algorithms:KLTMultiPassFO",
+        "klt_mp_zo_erm": "dpreg_klt.algorithms:KLTMultiPass",
+        "klt_sp_fo": "dpreg_klt.algorithms:KLTFirstOrder",
+        "klt_sp_zo": "dpreg_klt.algorithms:KLTSinglePass",
+    },
+})

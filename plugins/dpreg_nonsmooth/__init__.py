@@ -14,13 +14,35 @@ The algorithms (presets) live in the two paper plugins, ``dpreg_ztc`` and ``dpre
 
 from dpregistry import StagePlugin
 
-from .accounting import ACCOUNTANTS, ConcentrationFailure  # importing registers the event type
-from .estimators import ESTIMATORS
-from .objectives import OBJECTIVES
-from .privatizers import PRIVATIZERS
-from .samplers import SAMPLERS
-from .update import UPDATE_RULES
+# importing registers the event type, so that any ledger naming it can be read back
+from .accounting import ConcentrationFailure
 
 __all__ = ["ConcentrationFailure", "plugin"]
 
-plugin = StagePlugin(*OBJECTIVES, *SAMPLERS, *ESTIMATORS, *PRIVATIZERS, *UPDATE_RULES, *ACCOUNTANTS)
+# Each stage is imported on first use (see dpregistry.registry).
+plugin = StagePlugin(lazy={
+    "objective": {
+        "l1_distance": "dpreg_nonsmooth.objectives:L1Distance",
+        "min_of_norms": "dpreg_nonsmooth.objectives:MinOfNorms",
+        "ring": "dpreg_nonsmooth.objectives:Ring",
+    },
+    "sampler": {
+        "single_pass": "dpreg_nonsmooth.samplers:SinglePass",
+    },
+    "estimator": {
+        "fo_ball": "dpreg_nonsmooth.estimators:FOBall",
+        "zo_sphere": "dpreg_nonsmooth.estimators:ZOSphere",
+        "zo_sphere_grad": "dpreg_nonsmooth.estimators:ZOSphereGrad",
+    },
+    "privatizer": {
+        "bounded_gaussian": "dpreg_nonsmooth.privatizers:BoundedGaussian",
+        "iid_prefix": "dpreg_nonsmooth.privatizers:IidPrefix",
+        "tree_aggregation": "dpreg_nonsmooth.privatizers:TreeAggregationPrivatizer",
+    },
+    "update_rule": {
+        "o2nc": "dpreg_nonsmooth.update:O2NC",
+    },
+    "accountant": {
+        "zcdp_fail": "dpreg_nonsmooth.accounting:ZcdpFailAccountant",
+    },
+})

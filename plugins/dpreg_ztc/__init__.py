@@ -6,6 +6,10 @@ stages of ``dpreg_nonsmooth``; closed forms (T rule, σ calibration, ρ_eff repo
 
 from dpregistry import StagePlugin
 
-from .algorithms import ALGORITHMS
-
-plugin = StagePlugin(*ALGORITHMS)
+# Each stage is imported on first use (see dpregistry.registry).
+plugin = StagePlugin(lazy={
+    "algorithm": {
+        "ztc_naive": "dpreg_ztc.algorithms:ZTCNaive",
+        "ztc_o2nc_tree": "dpreg_ztc.algorithms:ZTCTree",
+    },
+})
