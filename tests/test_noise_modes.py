@@ -126,20 +126,27 @@ def test_no_file_of_a_run_holds_its_key(tmp_path, monkeypatch):
 
 def test_a_secure_resume_continues_the_ledger_and_the_public_randomness_with_a_fresh_key(tmp_path):
     recipe = mode("secure", dict(RECIPE, train=dict(RECIPE["train"], steps=6)))
+    straight = make_run(recipe, tmp_path, out=tmp_path / "a")
+    final(straight)
+    eps = json.loads((tmp_path / "a" / "summary.json").read_text())["epsilon"]
+
+    class Killed(Exception):
+        pass
+
+    def kill_at_5(run, metrics):
+        if run.step == 5:
+            raise Killed
+
     run = make_run(recipe, tmp_path, out=tmp_path / "r")
     first_key = run.rng.key
-    final(run)
-    eps = json.loads((tmp_path / "r" / "summary.json").read_text())["epsilon"]
-    # rewind to the step-3 checkpoint and resume
-    for p in (tmp_path / "r" / "checkpoints").iterdir():
-        if not p.name.startswith("step-00000003") and not p.name.startswith("step-00000000"):
-            p.unlink()
+    with pytest.raises(Killed):
+        run.train(progress=kill_at_5)
     r = resume_run(tmp_path / "r")
     assert r.step == 3 and r.rng.key != first_key and r.rng.noise_mode == "secure"
-    assert r.accountant.ledger.to_json()[0]["count"] == 3  # the three charged steps are kept
+    assert r.accountant.ledger.to_json()[0]["count"] == 3  # the three checkpointed steps are kept
     r.train()
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["epsilon"] == pytest.approx(eps, rel=1e-12)
-    assert r.rng.step_seed("direction", 4) == run.rng.step_seed("direction", 4)
+    assert r.rng.step_seed("direction", 4) == straight.rng.step_seed("direction", 4)
 
 
 def test_summary_and_report_state_the_mode_and_whether_epsilon_is_a_guarantee(tmp_path, monkeypatch):
