@@ -11,31 +11,33 @@ chosen on one half of the runs and the rates are counted on the other half, so c
 not bias the bound. A correct implementation never lets this lower bound exceed the ε its
 accountant claims; a broken one (noise too small, sensitivity too large) is caught once the
 bound does.
+
+Many releases at once: :func:`trial_sums` stacks the clipped sums of many trials along a leading
+axis, so one call of a privatizer's own ``release`` (independent noise on every coordinate) makes
+all of them, and :func:`projections` reads one statistic per trial from the stacked release.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
+import torch
 from scipy import stats
 
-
-def clopper_pearson_upper(k: int, n: int, alpha: float) -> float:
-    """One-sided (1 − alpha) upper confidence bound on a binomial rate with k successes in n."""
-    if k >= n:
-        return 1.0
-    return float(stats.beta.ppf(1 - alpha, k + 1, n - k))
+from .spaces import Aggregate
+from .stages import ClippedSum
 
 
-def _cp_upper(k: np.ndarray, n: int, alpha: float) -> np.ndarray:
+def clopper_pearson_upper(k, n: int, alpha: float):
+    """One-sided (1 − alpha) upper confidence bound on a binomial rate with k successes in n
+    (elementwise for an array of k)."""
     k = np.asarray(k)
     out = np.ones(k.shape, dtype=float)
     m = k < n
     out[m] = stats.beta.ppf(1 - alpha, k[m] + 1, n - k[m])
-    return out
+    return float(out) if out.ndim == 0 else out
 
 
 @dataclass
@@ -50,13 +52,16 @@ class AuditResult:
     confidence: float
 
 
-def _epsilon_from_rates(fpr: float, fnr: float, delta: float) -> float:
-    vals = []
-    for a, b in ((fpr, fnr), (fnr, fpr)):
-        num = 1 - delta - a
-        if num > 0:
-            vals.append(math.inf if b == 0 else math.log(num / b))
-    return max([0.0] + vals)
+def _epsilon_from_rates(fpr, fnr, delta: float):
+    """The ε that error rates (FPR, FNR) force, elementwise: the larger of log((1 − δ − FPR)/FNR)
+    and log((1 − δ − FNR)/FPR), each where its numerator is positive, and at least 0."""
+    fpr, fnr = np.asarray(fpr, dtype=float), np.asarray(fnr, dtype=float)
+    out = np.zeros(np.broadcast(fpr, fnr).shape)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a zero rate gives inf; masked entries nan
+        for a, b in ((fpr, fnr), (fnr, fpr)):
+            num = 1 - delta - a
+            out = np.maximum(out, np.where(num > 0, np.log(num) - np.log(b), 0.0))
+    return float(out) if out.ndim == 0 else out
 
 
 def epsilon_lower_bound(scores_d: Sequence[float], scores_d2: Sequence[float], delta: float,
@@ -75,8 +80,7 @@ def epsilon_lower_bound(scores_d: Sequence[float], scores_d2: Sequence[float], d
     candidates = np.unique(np.quantile(np.concatenate([sel0, sel1]), np.linspace(0.0, 1.0, 401)))
     fp = h0 - np.searchsorted(sel0, candidates, side="right")  # errors on the selection half
     fn = np.searchsorted(sel1, candidates, side="right")
-    fpr, fnr = _cp_upper(fp, h0, alpha), _cp_upper(fn, h1, alpha)
-    bounds = [_epsilon_from_rates(a, b, delta) for a, b in zip(fpr, fnr)]
+    bounds = _epsilon_from_rates(clopper_pearson_upper(fp, h0, alpha), clopper_pearson_upper(fn, h1, alpha), delta)
     best_t = float(candidates[int(np.argmax(bounds))])
     n0, n1 = len(ev0), len(ev1)
     fpr_u = clopper_pearson_upper(int(np.sum(ev0 > best_t)), n0, alpha)
@@ -84,29 +88,26 @@ def epsilon_lower_bound(scores_d: Sequence[float], scores_d2: Sequence[float], d
     return AuditResult(_epsilon_from_rates(fpr_u, fnr_u, delta), best_t, fpr_u, fnr_u, n0 + n1, confidence)
 
 
-def audit(mechanism: Callable[[int], float], trials: int, delta: float, confidence: float = 0.95) -> AuditResult:
-    """Run ``mechanism(0)`` (on D) and ``mechanism(1)`` (on D') ``trials`` times each and bound ε.
+def trial_sums(parts: Sequence[ClippedSum], masks: torch.Tensor) -> ClippedSum:
+    """The clipped sums of many trials in one: trial t sums the parts that row t of the 0/1
+    ``masks`` [trials, len(parts)] selects (the records a sampler drew, each clipped on its own, as
+    micro-batches are; or one whole batch per trial). The aggregate's tensors gain a leading trial
+    axis, which a Gaussian release noises coordinate by coordinate like any other."""
+    masks = torch.as_tensor(masks)
+    agg = parts[0].aggregate.clone()
+    agg.tensors = {k: torch.einsum("tp,p...->t...", masks.to(t.dtype),
+                                   torch.stack([p.aggregate.tensors[k] for p in parts]))
+                   for k, t in agg.tensors.items()}
+    first = parts[0]
+    return ClippedSum(agg, first.count, first.clipped, first.nonfinite, first.loss_sum, first.kind)
 
-    ``mechanism(which)`` returns one scalar statistic of a fresh release, larger on D' on average.
-    """
-    s0 = [mechanism(0) for _ in range(trials)]
-    s1 = [mechanism(1) for _ in range(trials)]
-    return epsilon_lower_bound(s0, s1, delta, confidence)
 
-
-def release_mechanism(privatizer, run, totals, statistic: Callable) -> Callable[[int], float]:
-    """An auditable mechanism from a privatizer's real release path.
-
-    ``totals`` are the privatizer's ``clip_sum`` of the two neighbouring batches; each call
-    releases a copy of one of them with ``privatizer.release(copy, run)``, which draws fresh
-    noise from the run's secret noise source (one more release in the run's current step), and
-    returns ``statistic(release.value)``.
-    """
-    from .stages import ClippedSum
-
-    def mechanism(which: int) -> float:
-        t = totals[which]
-        copy = ClippedSum(t.aggregate.clone(), t.count, t.clipped, t.nonfinite, t.loss_sum, t.kind)
-        return float(statistic(privatizer.release(copy, run).value))
-
-    return mechanism
+def projections(value: Aggregate, direction: Aggregate) -> np.ndarray:
+    """One statistic per trial: each row of a (stacked) released aggregate projected on the unit
+    vector along ``direction`` (an unstacked aggregate of the same layout)."""
+    keys = sorted(direction.tensors)
+    u = torch.cat([direction.tensors[k].reshape(-1).double() for k in keys])
+    u = u / u.norm()
+    rows = value.tensors[keys[0]].numel() // direction.tensors[keys[0]].numel()
+    x = torch.cat([value.tensors[k].reshape(rows, -1).double() for k in keys], 1)
+    return (x @ u).numpy()

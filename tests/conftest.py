@@ -42,14 +42,16 @@ def write_recipe(tmp_path: Path, recipe: dict | str, name: str = "recipe.yaml") 
     return path
 
 
-def make_run(recipe: dict | str | Path, tmp_path: Path | None = None, sets=(), out: Path | None = None):
-    """A prepared Run for a recipe dict/text/path (no output folder unless ``out``)."""
+def make_run(recipe: dict | str | Path, tmp_path: Path | None = None, sets=(), out: Path | None = None,
+             registry=None):
+    """A prepared Run for a recipe dict/text/path (no output folder unless ``out``); ``registry``
+    resolves the stage names (default: the installed plugins)."""
     from dpregistry.engine import Run, start_run
     from dpregistry.recipe import load
 
     if not isinstance(recipe, Path):
         recipe = write_recipe(tmp_path, recipe)
-    run = Run(load(recipe, list(sets)), None).prepare()
+    run = Run(load(recipe, list(sets), registry), None).prepare()
     if out is not None:
         start_run(run, out)
     return run

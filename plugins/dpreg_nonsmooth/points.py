@@ -43,6 +43,8 @@ class FlatView:
 
     def unflatten(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """[..., d] -> {name: [..., *shape]} (views of ``v``)."""
+        if v.shape[-1] != self.dim:  # slicing would silently drop the rest of a longer vector
+            raise ValueError(f"expected points of dimension {self.dim}, got shape {tuple(v.shape)}")
         lead = v.shape[:-1]
         out, start = {}, 0
         for n, shape, k in zip(self.names, self.shapes, self.numels):

@@ -119,8 +119,12 @@ class BoundedPrivatizer(Privatizer):
                           nonfinite=int((~finite).sum()), loss_sum=loss_sum, kind=contribution.kind)
 
     def _mean(self, total, run) -> torch.Tensor:
+        """The clipped sum as a flat mean [..., d]; leading axes (a stack of independent trials,
+        as an audit releases them) are kept, and noise is drawn for every entry."""
         agg = total.aggregate.lift({n: None for n in self.view.names})
-        return torch.cat([agg[n].reshape(-1) for n in self.view.names]).to(self.view.dtype) / \
+        first, shape = agg[self.view.names[0]], self.view.shapes[0]
+        lead = first.shape[:first.dim() - len(shape)]
+        return torch.cat([agg[n].reshape(*lead, -1) for n in self.view.names], -1).to(self.view.dtype) / \
             run.sampler.expected_batch_size(run)
 
     def _release(self, flat: torch.Tensor, events, std: float, run) -> Release:
