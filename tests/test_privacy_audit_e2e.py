@@ -43,7 +43,7 @@ from conftest import make_run
 from dpregistry import StagePlugin, StageParams
 from dpregistry.audit import epsilon_lower_bound, projections, trial_sums
 from dpregistry.objectives import TorchObjective
-from dpregistry.rng import NoiseSource
+from dpregistry.privacy.secret import SecretStream
 from dpregistry.stages import ClippedSum, Release
 from dpreg_baseline.privatizers import GaussianPrivatizer
 from dpreg_nonsmooth.privatizers import TreeAggregationPrivatizer
@@ -133,10 +133,10 @@ class TreeSensitivityC(TreeAggregationPrivatizer):
         return dict(s, fresh=s["fresh"] / 2, vr=s["vr"] / 2)
 
 
-class Scaled(NoiseSource):
+class Scaled(SecretStream):
     """A noise source that returns ``factor`` times the noise of another."""
 
-    def __init__(self, inner: NoiseSource, factor: float):
+    def __init__(self, inner: SecretStream, factor: float):
         self.inner, self.factor = inner, factor
 
     def randn(self, shape, dtype=torch.float32, device="cpu"):
@@ -228,9 +228,9 @@ class Mechanism:
 
 
 def _recipe(**sections) -> dict:
-    # The default noise is reproducible today, so every audit is deterministic; once the default is
-    # secret noise (issue 13), this is where `privacy: {noise: reproducible}` goes.
-    return {"privacy": {"epsilon": 3.0, "delta": DELTA}, "train": {"steps": 1, "progress": False}, **sections}
+    # Reproducible noise makes every audit deterministic; test_audit_with_secure_noise runs the default.
+    return {"privacy": {"epsilon": 3.0, "delta": DELTA, "noise": "reproducible"},
+            "train": {"steps": 1, "progress": False}, **sections}
 
 
 MECHANISMS = {
@@ -279,16 +279,17 @@ def runs(tmp_path_factory):
     registry = Registry().load_entry_points()
     registry.add_plugin(StagePlugin(CanaryRegression, GaussianSensitivityC, TreeSensitivityC),
                         origin="tests (privacy audit)")
-    cache: dict[tuple[str, bool], Stages] = {}
+    cache: dict[tuple[str, bool, str], Stages] = {}
 
-    def get(name: str, broken: bool) -> Stages:
-        if (name, broken) not in cache:
+    def get(name: str, broken: bool, noise: str = "reproducible") -> Stages:
+        if (name, broken, noise) not in cache:
             mech = MECHANISMS[name]
             recipe = {**mech.recipe, "seed": int(broken)}
+            recipe["privacy"] = {**recipe["privacy"], "noise": noise}
             if broken:
                 recipe["privatizer"] = {**recipe["privatizer"], "name": mech.weak_privatizer}
-            cache[name, broken] = Stages(make_run(recipe, tmp_path_factory.mktemp(name), registry=registry))
-        return cache[name, broken]
+            cache[name, broken, noise] = Stages(make_run(recipe, tmp_path_factory.mktemp(name), registry=registry))
+        return cache[name, broken, noise]
 
     return get
 
@@ -380,3 +381,14 @@ def test_audit(name, variant, runs):
         assert audited > claimed
     if variant == "clip_skipped":
         assert gap > 2 * mech.clip  # the canary's clip was skipped: the sums differ by more than 2C
+
+
+@pytest.mark.parametrize("variant", ["honest", "noise_halved"])
+def test_audit_with_secure_noise(variant, runs):
+    """The default mode's cipher Gaussians, through the same audit: not deterministic, but the
+    honest bound sits 4-6 standard deviations below the claim and the halved noise as far above it."""
+    mech = MECHANISMS["dpzero"]
+    stages = runs("dpzero", False, "secure")
+    assert stages.run.rng.noise_mode == "secure"
+    claimed, audited, _, _ = run_audit(stages, mech, variant)
+    assert (audited <= claimed) if variant == "honest" else (audited > claimed)
