@@ -370,3 +370,22 @@ def test_refused_before_any_contribution_even_without_a_setup_check():
     est, run = setup(model, obj)
     with pytest.raises(UserError, match=r"lin\.weight"):
         next(est.contributions(obj, torch.arange(4), run))
+
+
+def test_the_cli_refuses_such_a_model_before_writing_anything(tmp_path, monkeypatch):
+    """``dpreg run``: one line naming the parameter, exit 2, no run folder (the check runs when the
+    run is prepared, before step 0's checkpoint)."""
+    from dpreg_baseline.objectives import TabularObjective
+    from test_core_cli import dpreg
+
+    def reuses_the_first_weight(self, idx):
+        x = self.x_train[idx]
+        extra = F.linear(x, self.model[0].weight).pow(2).mean(1, keepdim=True)  # 0.weight, outside layer 0
+        return self._loss(self.model(x) + extra, self.y_train[idx])
+
+    monkeypatch.setattr(TabularObjective, "batch_losses", reuses_the_first_weight)
+    torch.set_default_dtype(torch.float32)  # the quickstart's model and data (the fixture restores)
+    res = dpreg("run", "quickstart", "--out", tmp_path / "out", "-q")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "parameter 0.weight is used outside the layer that holds it (0)" in res.stderr
+    assert not (tmp_path / "out").exists()
