@@ -377,6 +377,11 @@ class LayerNormHandler(LayerHandler):
         use.state, use.inp, use.g = st, None, None
 
 
+def _random_state_kept(device: torch.device):
+    """Checks run extra forward passes; they must not move the run's random state (dropout)."""
+    return torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type)
+
+
 class FunctionalHandler(LayerHandler):
     """Any other module with trainable parameters of its own (a ViT's class token and position
     embeddings, a custom layer): per-example gradients of those parameters by vmap(grad) of
@@ -387,6 +392,20 @@ class FunctionalHandler(LayerHandler):
             use.state = self._vmap(use)
             use.args, use.kwargs, use.g = (), {}, None
         return use.state
+
+    def bypassed(self, use) -> list[str]:
+        """The accounted parameters that the call reaches other than through the module's own
+        attributes (a reference kept elsewhere, a module outside this one's tree): the vmap
+        substitutes the attributes only, so it would miss those uses. One plain re-run of the
+        call with substituted copies (the use check's, once; the random state is restored)."""
+        from torch.func import functional_call
+
+        own = dict(use.module.named_parameters(recurse=False))
+        copies = {k: own[k].detach().requires_grad_() for k in use.keys}
+        with _random_state_kept(next(iter(own.values())).device), torch.enable_grad():
+            out = functional_call(use.module, copies, use.args, use.kwargs)
+        reached = {id(v) for v in _leaves(out.grad_fn)} if isinstance(out, torch.Tensor) else set()
+        return [k for k in use.keys if id(own[k]) in reached]
 
     def _vmap(self, use):
         from torch.func import functional_call, grad, vmap
@@ -501,6 +520,20 @@ def _graph_consumers(root) -> dict:
     return consumers
 
 
+def _leaves(root) -> list[torch.Tensor]:
+    """The leaf tensors (AccumulateGrad nodes' variables) an output's graph reaches."""
+    seen, stack, out = set(), [root] if root is not None else [], []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            out.append(node.variable)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return out
+
+
 def _call_nodes(start: int, tap) -> set:
     """The nodes created inside one call (between its start mark and its output's tap) that its
     output depends on: the part of the graph whose parameter uses the layer's handler accounts for."""
@@ -570,6 +603,7 @@ class GradSampler:
         if missing:
             raise UserError(f"per-example gradients: parameters {sorted(missing)[:3]} are not in a hooked layer")
         self._handler = {id(m): h for m, h, _ in self.layers}
+        self._local = {id(m): local for m, _, local in self.layers}
         self._keys = {id(m): tuple(local) for m, _, local in self.layers}
         self._uses: dict[int, list[Use]] = {}
         self._handles = []
@@ -712,7 +746,9 @@ class GradSampler:
         * A use inside two such calls (one layer calling another that holds the same tensor) is
           refused: it would count twice.
         * A value computed inside a call that leaves it other than through its output (kept in an
-          attribute, say) is refused: the gradient it carries back would pass the tap unseen."""
+          attribute, say) is refused: the gradient it carries back would pass the tap unseen.
+        * A vmap-fallback layer whose forward reaches its parameter other than through its own
+          attribute is refused (``FunctionalHandler.bypassed``): the vmap would not see that use."""
         consumers = _graph_consumers(root)
         names = {id(p): n for n, p in self.params.items()}
         counts: dict[tuple, int] = {}  # (node, parameter name) -> the calls that account for it
@@ -721,11 +757,16 @@ class GradSampler:
                 name = names.get(id(getattr(nxt, "variable", None)))
                 if name is not None:
                     counts[node, name] = 0
-        locals_ = {id(m): set(local.values()) for m, _, local in self.layers}
         for u in uses:
             if u.call is None:
                 continue
             start, tap = u.call
+            h = self._handler[id(u.module)]
+            for k in h.bypassed(u) if isinstance(h, FunctionalHandler) else ():
+                raise UserError(f"per-example gradients: parameter {self._local[id(u.module)][k]} is reached in the "
+                                f"forward of layer {self._names[id(u.module)]} ({type(u.module).__name__}) other than "
+                                "through its own attribute (a reference kept elsewhere); that use would escape its "
+                                "per-example gradient")
             inside = _call_nodes(start, tap)
             for node in inside:
                 if any(c not in inside and c is not tap for c in consumers.get(node, ())):
@@ -735,7 +776,7 @@ class GradSampler:
                                     "would escape the per-example gradients")
                 for nxt, _ in node.next_functions:
                     name = names.get(id(getattr(nxt, "variable", None)))
-                    if name in locals_[id(u.module)] and (node, name) in counts:
+                    if name in self._local[id(u.module)].values() and (node, name) in counts:
                         counts[node, name] += 1
         for (node, name), n in counts.items():
             holders = [self._names[id(m)] for m, _, local in self.layers if name in local.values()]
@@ -758,8 +799,7 @@ class GradSampler:
         n = min(2, n_train)
         if n == 0:
             return
-        device = next(iter(self.params.values())).device
-        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+        with _random_state_kept(next(iter(self.params.values())).device):
             with torch.enable_grad(), self.capture(n):
                 losses = losses_of(torch.arange(n))
             self.contribution(losses)

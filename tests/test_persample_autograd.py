@@ -389,3 +389,25 @@ def test_the_cli_refuses_such_a_model_before_writing_anything(tmp_path, monkeypa
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "parameter 0.weight is used outside the layer that holds it (0)" in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+class KeptReference(nn.Module):
+    """A custom layer (vmap fallback) whose forward reads its weight through a reference kept in a
+    plain list: the per-example vmap substitutes the attribute, not the list's entry."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4) / 2)
+        self.refs = [self.weight]
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight.T) @ self.refs[0].T
+
+
+def test_a_custom_layer_reading_its_weight_through_another_reference_is_refused():
+    torch.manual_seed(8)
+    model = nn.Sequential(KeptReference(), nn.Linear(4, 2))
+    xs, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+    obj = Objective(model, lambda i: F.cross_entropy(model(xs[i]), y[i], reduction="none"), 4)
+    with pytest.raises(UserError, match=r"parameter 0\.weight is reached in the forward of layer 0 \(KeptReference\)"):
+        setup(model, obj)
