@@ -228,6 +228,21 @@ def piece_dot(x: Piece, y: Piece) -> torch.Tensor:
     return _DOTS[_kind(x), _kind(y)](x, y)
 
 
+#: beyond this many calls of one parameter (a cell called in a loop), K² cross terms cost more
+#: than materialising the per-example sum once
+MAX_CROSS_PIECES = 16
+
+
+def _sq_of_sum(pieces: list[Piece]) -> torch.Tensor:
+    """‖Σ_k piece_k‖² = Σ_k ‖piece_k‖² + 2 Σ_{k<l} ⟨piece_k, piece_l⟩ per example."""
+    if len(pieces) > MAX_CROSS_PIECES:
+        total = sum(_piece_per_example(p).flatten(1) for p in pieces)
+        return total.pow(2).sum(1)
+    terms = [_piece_sq(p) for p in pieces]
+    terms += [2 * piece_dot(pieces[k], pieces[l]) for k in range(len(pieces)) for l in range(k)]
+    return sum(terms[1:], terms[0])
+
+
 # ------------------------------------------------------------------------------------------
 # layer handlers: backprop -> compact state -> norms² [B], weighted sums, per-example gradients
 # ------------------------------------------------------------------------------------------
@@ -881,10 +896,10 @@ class HookContribution(DenseContribution):
 
     def norms(self):
         if self._sq is None:
-            # ‖Σ_k piece_k‖² = Σ_k ‖piece_k‖² + 2 Σ_{k<l} ⟨piece_k, piece_l⟩ (one piece per call)
-            terms = [v for h, _, uses in self.records for u in uses for v in h.sq_norms(u).values()]
-            for pieces in self._pieces_of_shared().values():
-                terms += [2 * piece_dot(pieces[k], pieces[l]) for k in range(len(pieces)) for l in range(k)]
+            shared = self._pieces_of_shared()
+            terms = [v for h, local, uses in self.records for u in uses
+                     for k, v in h.sq_norms(u).items() if local[k] not in shared]
+            terms += [_sq_of_sum(pieces) for pieces in shared.values()]
             sq = sum(terms[1:], terms[0]) if terms else \
                 torch.zeros(self.n, device=self.finite.device if self.finite is not None else None)
             if self.finite is not None:

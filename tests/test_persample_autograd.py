@@ -21,6 +21,7 @@ from torch import nn
 
 from dpregistry import UserError
 from dpregistry.clipping import clip_and_sum
+from dpregistry.persample import MAX_CROSS_PIECES
 from dpregistry.rng import RunRNG
 from dpreg_baseline.estimators import PerExampleGrad
 from dpreg_grape.estimators import ProjectedPerExampleGrad
@@ -277,6 +278,30 @@ def test_tensors_shared_between_modules(grape):
     assert held == {"a.weight": [model.a, model.b, model.c], "gate.bias": [model.gate.inner]}
     if grape is not None:  # the tied weight stays dense; gate.inner's (called twice) is projected
         assert set(est.current) == {"wide.weight", "gate.inner.weight"}
+
+
+class Loop(nn.Module):
+    """A cell called once per step of a loop: more calls than pairwise cross terms are worth."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = steps
+        self.cell = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = x
+        for _ in range(self.steps):
+            h = torch.tanh(self.cell(h) + x)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("steps", [MAX_CROSS_PIECES, MAX_CROSS_PIECES + 1])
+def test_a_layer_called_in_a_loop(steps):
+    torch.manual_seed(9)
+    model = Loop(steps)
+    xs, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    check(model, Objective(model, lambda i: F.cross_entropy(model(xs[i]), y[i], reduction="none"), 6), 6)
 
 
 # ------------------------------------------------------------------------------------------
