@@ -25,7 +25,7 @@ A tensor reached by several calls (a layer called twice, word embeddings tied to
 RoBERTa's ``lm_head.bias`` that is also ``lm_head.decoder.bias``) has per-example gradient
 Σ_k G_i^(k), one term per call: its clipped sum adds each call's book-keeping sum, and its norm²
 adds the cross terms 2⟨G_i^(k), G_i^(l)⟩, computed from the kept factors or rows (B·T·T') like the
-ghost norm. A tensor registered by a module and by one of its descendants is accounted for by the
+ghost norm (past ``MAX_CROSS_PIECES`` calls, a cell in a loop, the per-example sum is formed). A tensor registered by a module and by one of its descendants is accounted for by the
 descendant only (the parent's call contains the child's).
 
 Hooks see a parameter only where its layer is called. On the first micro-batch (estimators run
@@ -619,7 +619,6 @@ class GradSampler:
             raise UserError(f"per-example gradients: parameters {sorted(missing)[:3]} are not in a hooked layer")
         self._handler = {id(m): h for m, h, _ in self.layers}
         self._local = {id(m): local for m, _, local in self.layers}
-        self._keys = {id(m): tuple(local) for m, _, local in self.layers}
         self._uses: dict[int, list[Use]] = {}
         self._handles = []
         self._anchor: torch.Tensor | None = None
@@ -669,7 +668,7 @@ class GradSampler:
         elif output.shape[0] != B:
             raise UserError(f"per-example gradients: layer {self._names[id(module)]} sees a leading dimension "
                             f"{output.shape[0]} that is not the batch size {B}")
-        use = Use(module, inp, None, 0, keys=self._keys[id(module)])
+        use = Use(module, inp, None, 0, keys=tuple(self._local[id(module)]))
         if functional:
             use.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             use.kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
