@@ -20,6 +20,19 @@ So a DP step costs one forward and one backward, and the largest per-example obj
 B·out·in for a small layer), never B·d. Layers: Linear, Embedding, LayerNorm and Conv1d/2d; any
 other module that owns trainable parameters gets its per-example gradients of those parameters
 by ``torch.func.vmap`` over the module's own forward (as Opacus does), materialised.
+
+A tensor reached by several calls (a layer called twice, word embeddings tied to an LM head,
+RoBERTa's ``lm_head.bias`` that is also ``lm_head.decoder.bias``) has per-example gradient
+Σ_k G_i^(k), one term per call: its clipped sum adds each call's book-keeping sum, and its norm²
+adds the cross terms 2⟨G_i^(k), G_i^(l)⟩, computed from the kept factors or rows (B·T·T') like the
+ghost norm (past ``MAX_CROSS_PIECES`` calls, a cell in a loop, the per-example sum is formed). A tensor registered by a module and by one of its descendants is accounted for by the
+descendant only (the parent's call contains the child's).
+
+Hooks see a parameter only where its layer is called. On the first micro-batch (estimators run
+it at setup, on two examples), ``GradSampler`` reads the autograd graph and refuses, naming the
+parameter, a model where some use of a parameter is not inside exactly one call that accounts
+for it (``F.linear(h, self.lin.weight)`` in a parent's forward), so a gradient is never silently
+lost or counted twice.
 """
 
 from __future__ import annotations
@@ -113,6 +126,123 @@ class Outer:
         return torch.einsum("btp,btq->bpq", self.u, self.v)
 
 
+class Rows:
+    """Per-example gradients of an embedding table (num_rows × d): G_i = Σ_t e_{ids_it} g_itᵀ,
+    kept as the ids [B, T] and the backprops g [B, T, d]."""
+
+    __slots__ = ("ids", "g", "num_rows")
+
+    def __init__(self, ids: torch.Tensor, g: torch.Tensor, num_rows: int):
+        self.ids, self.g, self.num_rows = ids, g, num_rows
+
+    def sq_norms(self) -> torch.Tensor:
+        return _rows_dot_rows(self, self)
+
+    def weighted(self, w: torch.Tensor) -> torch.Tensor:
+        gw = _scale_rows(self.g, w)
+        out = torch.zeros((self.num_rows, gw.shape[-1]), dtype=gw.dtype, device=gw.device)
+        out.index_add_(0, self.ids.reshape(-1), gw.reshape(-1, gw.shape[-1]))
+        return out
+
+    def per_example(self) -> torch.Tensor:
+        B, d = self.ids.shape[0], self.g.shape[-1]
+        out = torch.zeros((B, self.num_rows, d), dtype=self.g.dtype, device=self.g.device)
+        out.scatter_add_(1, self.ids.unsqueeze(-1).expand(-1, -1, d), self.g)
+        return out
+
+
+# A piece is one call's per-example gradients of one parameter: an Outer, Rows, or a dense
+# [B, *shape] tensor. A parameter reached by several calls (a layer called twice, an embedding
+# tied to an LM head) has the sum of its pieces as per-example gradient, so its norm² is
+# Σ_k ‖piece_k‖² + 2 Σ_{k<l} ⟨piece_k, piece_l⟩; the cross terms below never materialise a piece
+# that is kept as factors or rows.
+Piece = Any
+
+
+def _piece_sq(x: Piece) -> torch.Tensor:
+    return x.flatten(1).pow(2).sum(1) if isinstance(x, torch.Tensor) else x.sq_norms()
+
+
+def _piece_weighted(x: Piece, w: torch.Tensor) -> torch.Tensor:
+    return _scale_rows(x, w).sum(0) if isinstance(x, torch.Tensor) else x.weighted(w)
+
+
+def _piece_per_example(x: Piece) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else x.per_example()
+
+
+def _rows_dot_rows(x: Rows, y: Rows) -> torch.Tensor:
+    """Σ_{t,s} [ids_t = ids'_s] ⟨g_t, g'_s⟩ per example."""
+    same = (x.ids.unsqueeze(2) == y.ids.unsqueeze(1)).to(x.g.dtype)          # [B, T, T']
+    return (same * torch.bmm(x.g, y.g.transpose(1, 2))).sum((1, 2))
+
+
+def _rows_dot_factors(x: Rows, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """⟨Σ_t e_{ids_t} g_tᵀ, uᵀv⟩ = Σ_{t,s} u_s[ids_t] ⟨v_s, g_t⟩ (u [B, S, rows], v [B, S, d])."""
+    B, S, T = u.shape[0], u.shape[1], x.ids.shape[1]
+    picked = u.gather(2, x.ids.unsqueeze(1).expand(B, S, T))                 # [B, S, T]
+    return (picked * torch.bmm(v, x.g.transpose(1, 2))).sum((1, 2))
+
+
+def _rows_dot_dense(x: Rows, m: torch.Tensor) -> torch.Tensor:
+    """Σ_t ⟨M_i[ids_t], g_t⟩ for dense per-example gradients m [B, rows, d]."""
+    d = x.g.shape[-1]
+    return (m.gather(1, x.ids.unsqueeze(-1).expand(-1, -1, d)) * x.g).sum((1, 2))
+
+
+def _factors_dot_factors(x: Outer, y: Outer) -> torch.Tensor:
+    """⟨uᵀv, u'ᵀv'⟩ = Σ_{t,s} ⟨u_t, u'_s⟩⟨v_t, v'_s⟩ per example (B·T·T' memory)."""
+    return (torch.bmm(x.u, y.u.transpose(1, 2)) * torch.bmm(x.v, y.v.transpose(1, 2))).sum((1, 2))
+
+
+def _factors_dot_dense(x: Outer, m: torch.Tensor) -> torch.Tensor:
+    """⟨uᵀv, M⟩ = Σ_t u_tᵀ M v_t per example."""
+    return (torch.bmm(x.u, m) * x.v).sum((1, 2))
+
+
+def _kind(x: Piece) -> int:
+    """0: rows, 1: factors, 2: dense (a tensor or a materialised Outer)."""
+    if isinstance(x, Rows):
+        return 0
+    return 1 if isinstance(x, Outer) and not x.materialised else 2
+
+
+def _dense(x: Piece) -> torch.Tensor:
+    return x.m if isinstance(x, Outer) else x
+
+
+_DOTS = {
+    (0, 0): _rows_dot_rows,
+    (0, 1): lambda x, y: _rows_dot_factors(x, y.u, y.v),
+    (0, 2): lambda x, y: _rows_dot_dense(x, _dense(y).reshape(x.ids.shape[0], x.num_rows, -1)),
+    (1, 1): _factors_dot_factors,
+    (1, 2): lambda x, y: _factors_dot_dense(x, _dense(y).reshape(x.u.shape[0], x.u.shape[2], x.v.shape[2])),
+    (2, 2): lambda x, y: (_dense(x).flatten(1) * _dense(y).flatten(1)).sum(1),
+}
+
+
+def piece_dot(x: Piece, y: Piece) -> torch.Tensor:
+    """⟨x_i, y_i⟩ per example for two pieces of one parameter (see ``Piece``)."""
+    if _kind(x) > _kind(y):
+        x, y = y, x
+    return _DOTS[_kind(x), _kind(y)](x, y)
+
+
+#: beyond this many calls of one parameter (a cell called in a loop), K² cross terms cost more
+#: than materialising the per-example sum once
+MAX_CROSS_PIECES = 16
+
+
+def _sq_of_sum(pieces: list[Piece]) -> torch.Tensor:
+    """‖Σ_k piece_k‖² = Σ_k ‖piece_k‖² + 2 Σ_{k<l} ⟨piece_k, piece_l⟩ per example."""
+    if len(pieces) > MAX_CROSS_PIECES:
+        total = sum(_piece_per_example(p).flatten(1) for p in pieces)
+        return total.pow(2).sum(1)
+    terms = [_piece_sq(p) for p in pieces]
+    terms += [2 * piece_dot(pieces[k], pieces[l]) for k in range(len(pieces)) for l in range(k)]
+    return sum(terms[1:], terms[0])
+
+
 # ------------------------------------------------------------------------------------------
 # layer handlers: backprop -> compact state -> norms² [B], weighted sums, per-example gradients
 # ------------------------------------------------------------------------------------------
@@ -126,7 +256,9 @@ class Use:
     inp: Any
     out: torch.Tensor | None
     version: int
+    keys: tuple = ()  # the module's local names of the parameters this call accounts for
     g: torch.Tensor | None = None
+    call: tuple | None = None  # (sequence mark before the call, the tap's node), for the use check
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)
@@ -136,28 +268,29 @@ class LayerHandler:
     """Per-example norms² and weighted sums for the parameters of one module type.
 
     ``on_backprop(use)`` runs inside the backward pass, as soon as ``use.g`` exists: a handler
-    replaces (use.inp, use.g) by the compact ``use.state`` it needs, so that the activations and
-    backprops of all layers are not held together. The other methods read that state; their keys
-    are the module's local parameter names.
+    replaces (use.inp, use.g) by ``use.state``, the compact pieces (see ``Piece``) of the call's
+    per-example gradients, so that the activations and backprops of all layers are not held
+    together. The other methods read those pieces; their keys are the module's local parameter
+    names.
     """
 
     types: tuple = ()
 
-    def params(self, module) -> dict[str, nn.Parameter]:
-        return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
-
     def on_backprop(self, use: Use) -> None:
-        """Default: keep the activation and the backprop as they are."""
+        """Default: keep the activation and the backprop as they are (``pieces`` computes)."""
+
+    def pieces(self, use: Use) -> dict[str, Piece]:
+        return use.state
 
     def sq_norms(self, use: Use) -> dict[str, torch.Tensor]:
-        return {k: v.flatten(1).pow(2).sum(1) for k, v in self.per_example(use).items()}
+        return {k: _piece_sq(v) for k, v in self.pieces(use).items()}
 
     def weighted(self, use: Use, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {k: _scale_rows(v, w).sum(0) for k, v in self.per_example(use).items()}
+        return {k: _piece_weighted(v, w) for k, v in self.pieces(use).items()}
 
     def per_example(self, use: Use) -> dict[str, torch.Tensor]:
-        """Materialised per-example gradients (a module called twice, or a tied parameter)."""
-        raise NotImplementedError
+        """Materialised per-example gradients (for tests and small layers)."""
+        return {k: _piece_per_example(v) for k, v in self.pieces(use).items()}
 
 
 class _ProductHandler(LayerHandler):
@@ -183,25 +316,22 @@ class _ProductHandler(LayerHandler):
         dt = acc_dtype(use.g.dtype)
         g = self.backprops(use).to(dt)
         st = {}
-        if m.weight.requires_grad:
+        if "weight" in use.keys:
             st["weight"] = self.weight_product(use, self.activations(use).to(dt), g)
-        if m.bias is not None and m.bias.requires_grad:
+        if "bias" in use.keys:
             st["bias"] = g.sum(1)
         use.state, use.inp, use.g = st, None, None
 
-    def sq_norms(self, use):
-        return {k: (v.sq_norms() if isinstance(v, Outer) else v.pow(2).sum(1)) for k, v in use.state.items()}
-
     def weighted(self, use, w):
-        out = {}
-        for k, v in use.state.items():
-            out[k] = v.weighted(w).reshape(self.weight_shape(use, v)) if isinstance(v, Outer) else _scale_rows(v, w).sum(0)
+        out = super().weighted(use, w)
+        if "weight" in out:
+            out["weight"] = out["weight"].reshape(self.weight_shape(use, use.state["weight"]))
         return out
 
     def per_example(self, use):
-        out = {}
-        for k, v in use.state.items():
-            out[k] = v.per_example().reshape((-1,) + self.weight_shape(use, v)) if isinstance(v, Outer) else v
+        out = super().per_example(use)
+        if "weight" in out:
+            out["weight"] = out["weight"].reshape((-1,) + self.weight_shape(use, use.state["weight"]))
         return out
 
 
@@ -241,28 +371,7 @@ class EmbeddingHandler(LayerHandler):
         pad = use.module.padding_idx
         if pad is not None:  # torch gives the padding row no gradient
             g = g * (ids != pad).unsqueeze(-1).to(g.dtype)
-        use.state, use.inp, use.g = {"ids": ids, "g": g}, None, None
-
-    def sq_norms(self, use):
-        ids, g = use.state["ids"], use.state["g"]
-        same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(g.dtype)  # [B, T, T]
-        return {"weight": (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))}
-
-    def weighted(self, use, w):
-        ids, g = use.state["ids"], use.state["g"]
-        gw = _scale_rows(g, w)
-        W = use.module.weight
-        out = torch.zeros(W.shape, dtype=gw.dtype, device=gw.device)
-        out.index_add_(0, ids.reshape(-1), gw.reshape(-1, gw.shape[-1]))
-        return {"weight": out}
-
-    def per_example(self, use):
-        ids, g = use.state["ids"], use.state["g"]
-        B = ids.shape[0]
-        W = use.module.weight
-        out = torch.zeros((B,) + tuple(W.shape), dtype=g.dtype, device=g.device)
-        out.scatter_add_(1, ids.unsqueeze(-1).expand(-1, -1, g.shape[-1]), g)
-        return {"weight": out}
+        use.state, use.inp, use.g = {"weight": Rows(ids, g, use.module.num_embeddings)}, None, None
 
 
 class LayerNormHandler(LayerHandler):
@@ -276,14 +385,16 @@ class LayerNormHandler(LayerHandler):
         g = use.g.to(dt)
         dims = tuple(range(1, x.dim() - len(m.normalized_shape)))
         st = {}
-        if m.weight is not None and m.weight.requires_grad:
+        if "weight" in use.keys:
             st["weight"] = (g * xhat).sum(dims) if dims else g * xhat
-        if m.bias is not None and m.bias.requires_grad:
+        if "bias" in use.keys:
             st["bias"] = g.sum(dims) if dims else g
         use.state, use.inp, use.g = st, None, None
 
-    def per_example(self, use):
-        return dict(use.state)
+
+def _random_state_kept(device: torch.device):
+    """Checks run extra forward passes; they must not move the run's random state (dropout)."""
+    return torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type)
 
 
 class FunctionalHandler(LayerHandler):
@@ -291,16 +402,32 @@ class FunctionalHandler(LayerHandler):
     embeddings, a custom layer): per-example gradients of those parameters by vmap(grad) of
     ⟨module(params; x_i), g_i⟩ over the examples, materialised (children keep their own hooks)."""
 
-    def per_example(self, use):
-        if "per_example" not in use.state:  # norms and the weighted sum both need it: compute once
-            use.state["per_example"] = self._vmap(use)
-        return use.state["per_example"]
+    def pieces(self, use):
+        if not use.state:  # norms and the weighted sum both need them: compute once, then free the inputs
+            use.state = self._vmap(use)
+            use.args, use.kwargs, use.g = (), {}, None
+        return use.state
+
+    def bypassed(self, use) -> list[str]:
+        """The accounted parameters that the call reaches other than through the module's own
+        attributes (a reference kept elsewhere, a module outside this one's tree): the vmap
+        substitutes the attributes only, so it would miss those uses. One plain re-run of the
+        call with substituted copies (the use check's, once; the random state is restored)."""
+        from torch.func import functional_call
+
+        own = dict(use.module.named_parameters(recurse=False))
+        copies = {k: own[k].detach().requires_grad_() for k in use.keys}
+        with _random_state_kept(next(iter(own.values())).device), torch.enable_grad():
+            out = functional_call(use.module, copies, use.args, use.kwargs)
+        reached = {id(v) for v in _leaves(out.grad_fn)} if isinstance(out, torch.Tensor) else set()
+        return [k for k in use.keys if id(own[k]) in reached]
 
     def _vmap(self, use):
         from torch.func import functional_call, grad, vmap
 
         m = use.module
-        own = self.params(m)
+        own = dict(m.named_parameters(recurse=False))
+        fixed = {k: p.detach() for k, p in own.items() if k not in use.keys}
         B = use.g.shape[0]
         batched = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == B for x in use.args]
         kw_names = [k for k, x in use.kwargs.items() if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == B]
@@ -311,10 +438,10 @@ class FunctionalHandler(LayerHandler):
                 args[j] = x.unsqueeze(0)
             kwargs = dict(use.kwargs)
             kwargs.update({k: x.unsqueeze(0) for k, x in zip(kw_names, kw_b)})
-            out = functional_call(m, params, tuple(args), kwargs)
+            out = functional_call(m, {**fixed, **params}, tuple(args), kwargs)
             return (out.to(g.dtype) * g.unsqueeze(0)).sum()
 
-        detached = {k: p.detach() for k, p in own.items()}
+        detached = {k: own[k].detach() for k in use.keys}
         args_b = tuple(x for x, b in zip(use.args, batched) if b)
         kw_b = tuple(use.kwargs[k] for k in kw_names)
         g = use.g.to(acc_dtype(use.g.dtype))
@@ -354,9 +481,86 @@ def _check_supported(name: str, module: nn.Module) -> None:
                         "is not supported")
 
 
+def _accounting_layers(model: nn.Module, params: dict[str, torch.Tensor]):
+    """(name, module, {local name: parameter name}) of each module that accounts for some of
+    ``params``: the modules that register them, except that a parameter registered by a module
+    and by one of its descendants (RoBERTa's ``lm_head.bias`` is ``lm_head.decoder.bias``) is
+    accounted for by the descendant only; the parent's call contains the child's, so both would
+    count the child's use. A use in the parent outside the child is refused by the use check."""
+    ids = {id(p): n for n, p in params.items()}
+    regs = [(mname, module, {n: ids[id(p)] for n, p in module.named_parameters(recurse=False)
+                             if p.requires_grad and id(p) in ids})
+            for mname, module in model.named_modules()]
+    owners: dict[str, list[str]] = {}
+    for mname, _, local in regs:
+        for name in local.values():
+            owners.setdefault(name, []).append(mname)
+
+    def below(mname: str, name: str) -> bool:
+        prefix = mname + "." if mname else ""
+        return any(o != mname and o.startswith(prefix) for o in owners[name])
+
+    for mname, module, local in regs:
+        local = {k: name for k, name in local.items() if not below(mname, name)}
+        if local:
+            yield mname, module, local
+
+
 # ------------------------------------------------------------------------------------------
 # capture and the lazy contribution
 # ------------------------------------------------------------------------------------------
+
+_MARK = torch.zeros((), requires_grad=True)
+
+
+def _sequence_mark() -> int:
+    """Autograd numbers the nodes of a thread in the order it creates them: a node made now has a
+    number below every node created later. (A view of a scalar leaf: no storage is allocated.)"""
+    return _MARK.view_as(_MARK).grad_fn._sequence_nr()
+
+
+def _graph_consumers(root) -> dict:
+    """Every autograd node the loss reaches -> the nodes that take its output."""
+    consumers: dict = {root: []}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if nxt not in consumers:
+                consumers[nxt] = []
+                stack.append(nxt)
+            consumers[nxt].append(node)
+    return consumers
+
+
+def _leaves(root) -> list[torch.Tensor]:
+    """The leaf tensors (AccumulateGrad nodes' variables) an output's graph reaches."""
+    seen, stack, out = set(), [root] if root is not None else [], []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            out.append(node.variable)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return out
+
+
+def _call_nodes(start: int, tap) -> set:
+    """The nodes created inside one call (between its start mark and its output's tap) that its
+    output depends on: the part of the graph whose parameter uses the layer's handler accounts for."""
+    end = tap._sequence_nr()
+    inside, stack = set(), [n for n, _ in tap.next_functions if n is not None]
+    while stack:
+        node = stack.pop()
+        if node in inside or not start < node._sequence_nr() < end:
+            continue
+        inside.add(node)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return inside
 
 
 class _Tap(torch.autograd.Function):
@@ -401,30 +605,20 @@ class GradSampler:
         check_forward_is_pure(model)
         self.model = model
         self.params = params
-        ids = {id(p): n for n, p in params.items()}
+        #: (module, handler, {local name: parameter name}) of each layer that accounts for parameters
         self.layers: list[tuple[nn.Module, LayerHandler, dict[str, str]]] = []
         self._names: dict[int, str] = {}
         covered: set[str] = set()
-        for mname, module in model.named_modules():
-            own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad and id(p) in ids}
-            if not own:
-                continue
+        for mname, module, local in _accounting_layers(model, params):
             _check_supported(mname or "<root>", module)
-            h = handler_for(module) or FUNCTIONAL
-            local = {n: ids[id(p)] for n, p in own.items()}
-            self.layers.append((module, h, local))
+            self.layers.append((module, handler_for(module) or FUNCTIONAL, local))
             self._names[id(module)] = mname or "<root>"
             covered.update(local.values())
         missing = set(params) - covered
         if missing:
             raise UserError(f"per-example gradients: parameters {sorted(missing)[:3]} are not in a hooked layer")
-        counts: dict[str, int] = {}
-        for _, _, local in self.layers:
-            for n in local.values():
-                counts[n] = counts.get(n, 0) + 1
-        #: parameters reached through more than one layer (tied weights): materialised
-        self.shared = {n for n, c in counts.items() if c > 1}
         self._handler = {id(m): h for m, h, _ in self.layers}
+        self._local = {id(m): local for m, _, local in self.layers}
         self._uses: dict[int, list[Use]] = {}
         self._handles = []
         self._anchor: torch.Tensor | None = None
@@ -432,8 +626,16 @@ class GradSampler:
         self._probes: dict[int, torch.Tensor] | None = None
         self._signs: torch.Tensor | None = None
         self._layout_checked = False
+        #: the use check (see ``_check_uses``): once, on the first micro-batch; the open calls'
+        #: first autograd sequence numbers while it records
+        self._uses_checked = False
+        self._starts: dict[int, list[int]] | None = None
+
+    def _pre_hook(self, module, args, kwargs):
+        self._starts.setdefault(id(module), []).append(_sequence_mark() if torch.is_grad_enabled() else None)
 
     def _hook(self, module, args, kwargs, output):
+        start = self._starts[id(module)].pop() if self._starts is not None else None
         if not torch.is_grad_enabled():
             return None
         if not isinstance(output, torch.Tensor):
@@ -466,7 +668,7 @@ class GradSampler:
         elif output.shape[0] != B:
             raise UserError(f"per-example gradients: layer {self._names[id(module)]} sees a leading dimension "
                             f"{output.shape[0]} that is not the batch size {B}")
-        use = Use(module, inp, None, 0)
+        use = Use(module, inp, None, 0, keys=tuple(self._local[id(module)]))
         if functional:
             use.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             use.kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
@@ -485,6 +687,8 @@ class GradSampler:
             self._anchor = torch.zeros((), device=output.device, requires_grad=True)
         tapped = _Tap.apply(output, self._anchor, on_backprop)
         use.out, use.version = tapped, tapped._version
+        if start is not None:
+            use.call = (start, tapped.grad_fn)
         self._uses.setdefault(id(module), []).append(use)
         return tapped
 
@@ -498,12 +702,17 @@ class GradSampler:
                 sampler._anchor = None
                 sampler._handles = [m.register_forward_hook(sampler._hook, with_kwargs=True)
                                     for m, _, _ in sampler.layers]
+                if not sampler._uses_checked:  # mark where each call starts, for the use check
+                    sampler._starts = {}
+                    sampler._handles += [m.register_forward_pre_hook(sampler._pre_hook, with_kwargs=True)
+                                         for m, _, _ in sampler.layers]
                 return sampler
 
             def __exit__(self_, *exc):
                 for h in sampler._handles:
                     h.remove()
                 sampler._handles = []
+                sampler._starts = None
 
         return _Ctx()
 
@@ -538,6 +747,77 @@ class GradSampler:
                             "(or batch-major blocks of it), not a batch concatenated with itself or a sequence-first "
                             "layout")
 
+    def _check_uses(self, uses: list[Use], root) -> None:
+        """Once, on the first micro-batch: every use of a parameter that the loss reaches must be
+        accounted for by exactly one hooked call. A layer's handler accounts for the uses inside
+        its call that its output depends on; anything else would escape the per-example gradients
+        silently (the clipped sum would miss part of a gradient or count it twice, and clipping
+        would bound the wrong norm). The check reads the autograd graph, so it sees every
+        differentiable use whatever its value at this step, and costs no backward pass.
+
+        * A use outside every call that accounts for the parameter (``F.linear(h, self.lin.weight)``
+          in a parent's forward) is refused, naming the parameter.
+        * A use inside two such calls (one layer calling another that holds the same tensor) is
+          refused: it would count twice.
+        * A value computed inside a call that leaves it other than through its output (kept in an
+          attribute, say) is refused: the gradient it carries back would pass the tap unseen.
+        * A vmap-fallback layer whose forward reaches its parameter other than through its own
+          attribute is refused (``FunctionalHandler.bypassed``): the vmap would not see that use."""
+        consumers = _graph_consumers(root)
+        names = {id(p): n for n, p in self.params.items()}
+        counts: dict[tuple, int] = {}  # (node, parameter name) -> the calls that account for it
+        for node in consumers:
+            for nxt, _ in node.next_functions:
+                name = names.get(id(getattr(nxt, "variable", None)))
+                if name is not None:
+                    counts[node, name] = 0
+        for u in uses:
+            if u.call is None:
+                continue
+            start, tap = u.call
+            h = self._handler[id(u.module)]
+            for k in h.bypassed(u) if isinstance(h, FunctionalHandler) else ():
+                raise UserError(f"per-example gradients: parameter {self._local[id(u.module)][k]} is reached in the "
+                                f"forward of layer {self._names[id(u.module)]} ({type(u.module).__name__}) other than "
+                                "through its own attribute (a reference kept elsewhere); that use would escape its "
+                                "per-example gradient")
+            inside = _call_nodes(start, tap)
+            for node in inside:
+                if any(c not in inside and c is not tap for c in consumers.get(node, ())):
+                    raise UserError(f"per-example gradients: layer {self._names[id(u.module)]} "
+                                    f"({type(u.module).__name__}) passes on a value other than through its output "
+                                    "(kept in an attribute or returned by a side channel); the gradient through it "
+                                    "would escape the per-example gradients")
+                for nxt, _ in node.next_functions:
+                    name = names.get(id(getattr(nxt, "variable", None)))
+                    if name in self._local[id(u.module)].values() and (node, name) in counts:
+                        counts[node, name] += 1
+        for (node, name), n in counts.items():
+            holders = [self._names[id(m)] for m, _, local in self.layers if name in local.values()]
+            if n == 0:
+                raise UserError(f"per-example gradients: parameter {name} is used outside the layer that holds it "
+                                f"({', '.join(holders) or 'none'}), e.g. F.linear(x, layer.weight) in a parent's "
+                                "forward; its per-example gradient would miss that use. Call the layer itself, or "
+                                "freeze the parameter")
+            if n > 1:
+                raise UserError(f"per-example gradients: parameter {name} is used inside calls of several layers "
+                                f"that hold it ({', '.join(holders)}, one calling another); its gradient would "
+                                "count twice")
+        self._uses_checked = True
+
+    def check_model(self, losses_of: Callable[[torch.Tensor], torch.Tensor], n_train: int) -> None:
+        """Run the first micro-batch's checks (uses, layout) on the first two training examples,
+        so that an estimator refuses a model the hooks cannot serve at setup, before step 1 and
+        before anything is written. The random state is restored (dropout masks of the run stay
+        as they were), nothing is released and no parameter gradient is formed."""
+        n = min(2, n_train)
+        if n == 0:
+            return
+        with _random_state_kept(next(iter(self.params.values())).device):
+            with torch.enable_grad(), self.capture(n):
+                losses = losses_of(torch.arange(n))
+            self.contribution(losses)
+
     def contribution(self, losses: torch.Tensor, cls: type | None = None, **extra) -> "HookContribution":
         """Backprops of Σ_i loss_i (non-finite losses are masked out) and the lazy contribution.
 
@@ -553,6 +833,10 @@ class GradSampler:
         total = torch.where(finite, losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
         anchor, self._anchor = self._anchor, None
         if uses and total.requires_grad:
+            if not self._uses_checked:
+                self._check_uses(uses, total.grad_fn)
+            for u in uses:
+                u.call = None  # the check's references into the graph
             if not self._layout_checked and losses.shape[0] > 1:
                 self._probe_layout(losses, finite, anchor)
             try:
@@ -566,7 +850,7 @@ class GradSampler:
             if u.g is not None or u.state:
                 by_module.setdefault(id(u.module), []).append(u)
         records = [(h, local, by_module.get(id(m), [])) for m, h, local in self.layers]
-        return (cls or HookContribution)(records=records, shared=self.shared, n=losses.shape[0],
+        return (cls or HookContribution)(records=records, n=losses.shape[0],
                                          losses=losses.detach(), finite=finite, params=self.params, **extra)
 
 
@@ -579,7 +863,6 @@ class HookContribution(DenseContribution):
     """
 
     records: list = field(default_factory=list)
-    shared: set = field(default_factory=set)
     n: int = 0
     finite: torch.Tensor | None = None
     params: dict = field(default_factory=dict)  # for zero sums of layers this batch did not reach
@@ -595,38 +878,29 @@ class HookContribution(DenseContribution):
     def _aggregate(self, tensors: dict[str, torch.Tensor]) -> Aggregate:
         return DenseAggregate(tensors)
 
-    def _materialised_shared(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+    def _pieces_of_shared(self) -> dict[str, list[Piece]]:
+        """The pieces of each parameter reached by several calls (a layer called twice, a tied weight)."""
+        count: dict[str, int] = {}
         for h, local, uses in self.records:
-            if not self.shared.intersection(local.values()):
-                continue
-            for u in uses:
-                for k, v in h.per_example(u).items():
-                    name = local[k]
-                    if name in self.shared:
-                        out[name] = out[name] + v if name in out else v
+            for name in local.values():
+                count[name] = count.get(name, 0) + len(uses)
+        out: dict[str, list[Piece]] = {}
+        for h, local, uses in self.records:
+            if any(count[name] > 1 for name in local.values()):
+                for u in uses:
+                    for k, v in h.pieces(u).items():
+                        if count[local[k]] > 1:
+                            out.setdefault(local[k], []).append(v)
         return out
 
     def norms(self):
         if self._sq is None:
-            sq = None
-            for h, local, uses in self.records:
-                if len(uses) > 1:  # a module called twice: its gradient is the sum over calls
-                    pe: dict[str, torch.Tensor] = {}
-                    for u in uses:
-                        for k, v in h.per_example(u).items():
-                            if local[k] not in self.shared:
-                                pe[k] = pe[k] + v if k in pe else v
-                    parts = [v.flatten(1).pow(2).sum(1) for v in pe.values()]
-                else:
-                    parts = [v for k, v in h.sq_norms(uses[0]).items() if local[k] not in self.shared] if uses else []
-                for p in parts:
-                    sq = p if sq is None else sq + p
-            for v in self._materialised_shared().values():
-                s = v.flatten(1).pow(2).sum(1)
-                sq = s if sq is None else sq + s
-            if sq is None:
-                sq = torch.zeros(self.n, device=self.finite.device if self.finite is not None else None)
+            shared = self._pieces_of_shared()
+            terms = [v for h, local, uses in self.records for u in uses
+                     for k, v in h.sq_norms(u).items() if local[k] not in shared]
+            terms += [_sq_of_sum(pieces) for pieces in shared.values()]
+            sq = sum(terms[1:], terms[0]) if terms else \
+                torch.zeros(self.n, device=self.finite.device if self.finite is not None else None)
             if self.finite is not None:
                 sq = torch.where(self.finite, sq, torch.full_like(sq, float("nan")))
             self._sq = sq
@@ -638,11 +912,7 @@ class HookContribution(DenseContribution):
             for u in uses:
                 for k, v in h.weighted(u, weights).items():
                     name = local[k]
-                    if name in self.shared:
-                        continue
                     out[name] = out[name] + v if name in out else v
-        for name, v in self._materialised_shared().items():
-            out[name] = _mask_rows(v, weights).sum(0)
         for name, p in self.params.items():
             if name not in out:
                 out[name] = self._zero(name, p)

@@ -33,6 +33,10 @@ class FixedData:
     def __init__(self, model, x, y, loss=F.cross_entropy):
         self.model, self.x, self.y, self.loss = model, x, y, loss
 
+    @property
+    def n_train(self):
+        return 0 if self.x is None else len(self.x)
+
     def module(self):
         return self.model
 

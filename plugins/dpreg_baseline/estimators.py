@@ -53,6 +53,8 @@ class PerExampleGrad(Estimator):
                             key="estimator.backend")
         self.backend = backend
         self.sampler = GradSampler(module, run.params) if backend == "hooks" else None
+        if self.sampler is not None:
+            self.sampler.check_model(run.objective.losses, run.objective.n_train)
 
     def contributions(self, objective, indices, run):
         if len(indices) == 0:

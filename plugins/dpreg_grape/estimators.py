@@ -116,8 +116,9 @@ class ProjectedPerExampleGrad(Estimator):
         if not self.projected:
             raise UserError(f"no layer is projected (rank {r}, include {sel.include or 'all'}, exclude {sel.exclude}); "
                             "lower the rank or widen estimator.project", key="estimator.project")
-        self.current: dict[str, Projector] = {}
+        self.current: dict[str, Projector] = self.projectors(run.step)
         self.sampler = GradSampler(module, run.params, handler_for=self._handler_for)
+        self.sampler.check_model(run.objective.losses, run.objective.n_train)
 
     def _handler_for(self, module):
         name = self.projected.get(id(module))

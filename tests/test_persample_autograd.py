@@ -1,0 +1,438 @@
+"""Per-example gradients through the estimators' own entry points against one-example-at-a-time
+autograd, on small random-init transformers and on models that share or reuse a tensor.
+
+Each model goes through ``per_example_grad`` (hooks backend) or ``projected_per_example_grad``
+exactly as a run drives them: ``setup(run)``, then ``contributions(objective, indices, run)``, then
+the privatizers' ``clip_and_sum``. The reference differentiates each example's loss on its own
+(one autograd backward per example), so it shares nothing with the hooks, the ghost norms, the
+cross terms of shared tensors or the book-keeping sums. The clip is the median reference norm,
+so some examples are clipped and some are not: a wrong norm flips a clipping decision or scales
+the example wrongly, and either moves the clipped sum. Everything runs in fp64.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpregistry import UserError
+from dpregistry.clipping import clip_and_sum
+from dpregistry.persample import MAX_CROSS_PIECES
+from dpregistry.rng import RunRNG
+from dpreg_baseline.estimators import PerExampleGrad
+from dpreg_grape.estimators import ProjectedPerExampleGrad
+from dpreg_grape.projection import LayerSelection
+
+RTOL, ATOL = 1e-9, 1e-11
+
+
+@pytest.fixture(autouse=True)
+def fp64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+class Objective:
+    """A fixed data set and a per-example loss: what an estimator sees of a run's objective."""
+
+    def __init__(self, model, loss_of, n):
+        self.model, self.loss_of, self.n_train = model, loss_of, n
+
+    def module(self):
+        return self.model
+
+    def losses(self, idx):
+        return self.loss_of(idx)
+
+
+def setup(model, objective, grape=None, micro=None):
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    run = SimpleNamespace(objective=objective, params=params, rng=RunRNG(0), step=0,
+                          recipe=SimpleNamespace(train=SimpleNamespace(micro_batch_size=micro)))
+    if grape is None:
+        est = PerExampleGrad(PerExampleGrad.Params(backend="hooks"))
+    else:
+        est = ProjectedPerExampleGrad(ProjectedPerExampleGrad.Params(rank=grape, projector="gaussian",
+                                                                     project=LayerSelection(exclude=[])))
+    est.setup(run)
+    return est, run
+
+
+def reference(objective, params, n):
+    """Each example's gradient, by its own backward."""
+    losses = objective.losses(torch.arange(n))
+    rows = [torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
+            for i in range(n)]
+    return {k: torch.stack([torch.zeros_like(p) if r[j] is None else r[j] for r in rows])
+            for j, (k, p) in enumerate(params.items())}
+
+
+def check(model, objective, n, grape=None, micro=None):
+    """Norms (the clipping decisions) and the clipped sum against the reference."""
+    est, run = setup(model, objective, grape, micro)
+    contribs = list(est.contributions(objective, torch.arange(n), run))
+    ref = reference(objective, run.params, n)
+    if grape is not None:  # the projected space: Pᵀ·G_i or G_i·P per projected weight
+        assert est.current, "no layer projected"
+        for name, pr in est.current.items():
+            P = pr.matrix(dtype=torch.float64)
+            ref[name] = P.T @ ref[name] if pr.side == "left" else ref[name] @ P
+    ref_norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in ref.values()))
+    norms = torch.cat([c.norms() for c in contribs])
+    torch.testing.assert_close(norms, ref_norms, rtol=RTOL, atol=ATOL)
+
+    clip = float(ref_norms.median())
+    scale = (clip / ref_norms).clamp(max=1.0)
+    assert 0 < int((ref_norms > clip).sum()) < n  # the clip clips some examples, not all
+    totals = [clip_and_sum(c, clip).aggregate.tensors for c in contribs]
+    for k, g in ref.items():
+        expect = (g * scale.view(-1, *[1] * (g.dim() - 1))).sum(0)
+        got = sum(t[k] for t in totals)
+        torch.testing.assert_close(got, expect, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+    return est
+
+
+def text_batch(vocab, n, T, seed, pad=None):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (n, T), generator=g)
+    mask = torch.ones_like(ids)
+    if pad is not None:  # example 1 is padded on the right
+        ids[1, T - 2:] = pad
+        mask[1, T - 2:] = 0
+    return ids, mask
+
+
+def lm_losses(model, ids, mask, labels):
+    """Per-example mean token cross-entropy (labels of -100 are ignored)."""
+    def losses(idx):
+        logits = model(input_ids=ids[idx], attention_mask=mask[idx]).logits
+        tok = F.cross_entropy(logits.transpose(1, 2), labels[idx], reduction="none", ignore_index=-100)
+        return tok.sum(1) / (labels[idx] != -100).sum(1)
+    return losses
+
+
+# ------------------------------------------------------------------------------------------
+# transformers, built from configs (random weights, no download)
+# ------------------------------------------------------------------------------------------
+
+
+def test_bert_sequence_classification():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=16, num_labels=3)
+    model = BertForSequenceClassification(cfg).double().eval()
+    ids, mask = text_batch(40, 6, 7, seed=0, pad=0)
+    types = torch.zeros_like(ids)
+    types[:, 4:] = 1
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+
+    def losses(idx):
+        out = model(input_ids=ids[idx], attention_mask=mask[idx], token_type_ids=types[idx])
+        return F.cross_entropy(out.logits, y[idx], reduction="none")
+
+    check(model, Objective(model, losses, 6), 6)
+
+
+@pytest.fixture(scope="module")
+def roberta_mlm():
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    torch.manual_seed(1)
+    cfg = RobertaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=20, pad_token_id=1)
+    return RobertaForMaskedLM(cfg).double().eval()
+
+
+def roberta_objective(model):
+    ids, mask = text_batch(50, 6, 6, seed=1, pad=1)
+    labels = torch.full_like(ids, -100)
+    labels[:, [1, 3]] = ids[:, [1, 3]]     # two masked positions per example
+    ids = ids.clone()
+    ids[:, [1, 3]] = 4                     # the <mask> id
+    return Objective(model, lm_losses(model, ids, mask, labels), 6)
+
+
+def test_roberta_masked_lm_with_its_tied_head(roberta_mlm):
+    """``lm_head.bias`` is ``lm_head.decoder.bias`` (one tensor, two modules; it was summed twice)
+    and the decoder's weight is the word embedding (one tensor, an Embedding and a Linear)."""
+    model = roberta_mlm
+    assert model.lm_head.bias is model.lm_head.decoder.bias
+    assert model.lm_head.decoder.weight is model.roberta.embeddings.word_embeddings.weight
+    est = check(model, roberta_objective(model), 6)
+    held = [m for m, _, local in est.sampler.layers if "lm_head.bias" in local.values()]
+    assert held == [model.lm_head.decoder]  # by the decoder only; lm_head itself is not hooked
+    assert sum("roberta.embeddings.word_embeddings.weight" in local.values()
+               for _, _, local in est.sampler.layers) == 2
+
+
+def test_roberta_masked_lm_dp_grape(roberta_mlm):
+    """The projected estimator on the same model: projected encoder weights, the tied head dense."""
+    est = check(roberta_mlm, roberta_objective(roberta_mlm), 6, grape=4)
+    assert "lm_head.dense.weight" in est.current and "roberta.embeddings.word_embeddings.weight" not in est.current
+
+
+def test_opt_causal_lm_with_tied_head_and_micro_batches():
+    """T = 14: the tied head's per-example gradients are materialised, the embedding's are rows;
+    two micro-batches, as a run with train.micro_batch_size splits a batch."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(2)
+    cfg = OPTConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, ffn_dim=32,
+                    max_position_embeddings=20, word_embed_proj_dim=16)
+    model = OPTForCausalLM(cfg).double().eval()
+    assert model.lm_head.weight is model.model.decoder.embed_tokens.weight
+    ids, mask = text_batch(50, 6, 14, seed=2)
+    labels = torch.cat([ids[:, 1:], torch.full((6, 1), -100)], 1)
+    check(model, Objective(model, lm_losses(model, ids, mask, labels), 6), 6, micro=3)
+
+
+def test_gpt2_lm_head_with_tied_embeddings():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(3)
+    cfg = GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg).double().eval()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids, mask = text_batch(50, 6, 6, seed=3)
+    labels = torch.cat([ids[:, 1:], torch.full((6, 1), -100)], 1)
+    check(model, Objective(model, lm_losses(model, ids, mask, labels), 6), 6)
+
+
+def test_vit_image_classification():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(4)
+    cfg = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+                    num_attention_heads=2, intermediate_size=32, num_labels=3)
+    model = ViTForImageClassification(cfg).double().eval()
+    x, y = torch.randn(6, 3, 8, 8), torch.tensor([0, 1, 2, 0, 1, 2])
+    check(model, Objective(model, lambda i: F.cross_entropy(model(pixel_values=x[i]).logits, y[i],
+                                                            reduction="none"), 6), 6)
+
+
+# ------------------------------------------------------------------------------------------
+# one tensor in several modules, a module called twice
+# ------------------------------------------------------------------------------------------
+
+
+class Gate(nn.Module):
+    """A module with a parameter of its own (vmap fallback) that also registers its child's bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.randn(16))
+        self.inner = nn.Linear(16, 16)
+        self.bias = self.inner.bias       # one tensor, registered by the parent and the child
+
+    def forward(self, h):
+        return torch.tanh(self.inner(h)) * self.alpha
+
+
+class Shared(nn.Module):
+    """Every way this module's tensors are shared, with each pair of per-example forms:
+
+    * ``emb`` is ``head``'s weight (an Embedding's rows × a Linear's factors);
+    * ``a``, ``b`` and ``c`` share one weight and one bias: ``a`` is called twice on 3 tokens
+      (factors), ``b`` on one pooled row (factors), ``c`` on 40 positions (materialised);
+    * ``gate`` (vmap fallback) is called twice (dense × dense) and holds ``gate.inner.bias`` too.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 16)
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.b.weight = self.c.weight = self.a.weight
+        self.b.bias = self.c.bias = self.a.bias
+        self.gate = Gate()
+        self.wide = nn.Linear(16, 40)
+        self.head = nn.Linear(16, 30)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids)                                         # [B, 3, 16]
+        h = self.gate(self.a(torch.tanh(self.a(h))))
+        s = torch.tanh(self.wide(h)).transpose(1, 2)              # [B, 40, 3]
+        h = h + self.c(s @ h).mean(1, keepdim=True)               # c sees 40 positions
+        h = self.gate(h) + self.b(h.mean(1, keepdim=True))
+        return self.head(h).mean(1)                               # [B, 30]
+
+
+@pytest.mark.parametrize("grape", [None, 4])
+def test_tensors_shared_between_modules(grape):
+    torch.manual_seed(5)
+    model = Shared()
+    ids = torch.randint(0, 30, (8, 3))
+    ids[2, 1] = ids[2, 0]  # a repeated token
+    y = torch.randint(0, 30, (8,))
+    obj = Objective(model, lambda i: F.cross_entropy(model(ids[i]), y[i], reduction="none"), 8)
+    est = check(model, obj, 8, grape=grape)
+    held = {n: [m for m, _, local in est.sampler.layers if n in local.values()] for n in ("a.weight", "gate.bias")}
+    assert held == {"a.weight": [model.a, model.b, model.c], "gate.bias": [model.gate.inner]}
+    if grape is not None:  # the tied weight stays dense; gate.inner's (called twice) is projected
+        assert set(est.current) == {"wide.weight", "gate.inner.weight"}
+
+
+class Loop(nn.Module):
+    """A cell called once per step of a loop: more calls than pairwise cross terms are worth."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = steps
+        self.cell = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = x
+        for _ in range(self.steps):
+            h = torch.tanh(self.cell(h) + x)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("steps", [MAX_CROSS_PIECES, MAX_CROSS_PIECES + 1])
+def test_a_layer_called_in_a_loop(steps):
+    torch.manual_seed(9)
+    model = Loop(steps)
+    xs, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    check(model, Objective(model, lambda i: F.cross_entropy(model(xs[i]), y[i], reduction="none"), 6), 6)
+
+
+# ------------------------------------------------------------------------------------------
+# a parameter used where no hook sees it: refused at setup, naming it
+# ------------------------------------------------------------------------------------------
+
+
+class ReusedOutside(nn.Module):
+    """``lin``'s weight is used again outside ``lin``, in this module's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return self.head(torch.tanh(F.linear(h, self.lin.weight)))
+
+
+class ParentUsesTiedBias(nn.Module):
+    """A parent registers its child's bias (the run names it ``bias``) and also adds it itself,
+    outside the child's call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bias = self.lin.bias
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(x)) + self.bias)
+
+
+class SideChannel(nn.Module):
+    """A layer keeps a value computed inside its call; the parent uses it past the layer's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.lin.register_forward_hook(lambda m, args, out: setattr(self, "kept", out * 2))
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return self.head(h + self.kept)
+
+
+class NeverCalled(nn.Module):
+    """A layer whose weight is read by its parent and which is never called itself (as torch's
+    MultiheadAttention does with ``out_proj``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(F.linear(x, self.proj.weight, self.proj.bias)))
+
+
+@pytest.mark.parametrize("cls, x, match", [
+    (ReusedOutside, (6, 4), r"parameter lin\.weight is used outside the layer that holds it \(lin\)"),
+    (ParentUsesTiedBias, (6, 4), r"parameter bias is used outside the layer that holds it \(lin\)"),
+    (NeverCalled, (6, 4), r"parameter proj\.(weight|bias) is used outside the layer that holds it \(proj\)"),
+    (SideChannel, (6, 4), r"layer lin \(Linear\) passes on a value other than through its output"),
+], ids=["F.linear_in_parent", "parent_adds_tied_bias", "layer_never_called", "side_channel"])
+@pytest.mark.parametrize("grape", [None, 2])
+def test_a_use_that_no_hook_accounts_for_is_refused_at_setup(cls, x, match, grape):
+    torch.manual_seed(6)
+    model = cls()
+    xs, y = torch.randn(*x), torch.randint(0, 2, (x[0],))
+    obj = Objective(model, lambda i: F.cross_entropy(model(xs[i]), y[i], reduction="none"), x[0])
+    params = {n: p for n, p in model.named_parameters()}
+    ref = reference(obj, params, x[0])
+    total = torch.autograd.grad(obj.losses(torch.arange(x[0])).sum(), list(params.values()))
+    for (k, g), t in zip(ref.items(), total):  # the model is fine for autograd; only the hooks would miss a use
+        torch.testing.assert_close(g.sum(0), t)
+    with pytest.raises(UserError, match=match) as e:
+        setup(model, obj, grape=grape)
+    assert "\n" not in str(e.value)
+
+
+def test_refused_before_any_contribution_even_without_a_setup_check():
+    """An objective that cannot say how many examples it has (n_train = 0) skips the setup check;
+    the first micro-batch runs it instead, before a norm or a sum exists."""
+    torch.manual_seed(7)
+    model = ReusedOutside()
+    xs, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+    obj = Objective(model, lambda i: F.cross_entropy(model(xs[i]), y[i], reduction="none"), 0)
+    est, run = setup(model, obj)
+    with pytest.raises(UserError, match=r"lin\.weight"):
+        next(est.contributions(obj, torch.arange(4), run))
+
+
+def test_the_cli_refuses_such_a_model_before_writing_anything(tmp_path, monkeypatch):
+    """``dpreg run``: one line naming the parameter, exit 2, no run folder (the check runs when the
+    run is prepared, before step 0's checkpoint)."""
+    from dpreg_baseline.objectives import TabularObjective
+    from test_core_cli import dpreg
+
+    def reuses_the_first_weight(self, idx):
+        x = self.x_train[idx]
+        extra = F.linear(x, self.model[0].weight).pow(2).mean(1, keepdim=True)  # 0.weight, outside layer 0
+        return self._loss(self.model(x) + extra, self.y_train[idx])
+
+    monkeypatch.setattr(TabularObjective, "batch_losses", reuses_the_first_weight)
+    torch.set_default_dtype(torch.float32)  # the quickstart's model and data (the fixture restores)
+    res = dpreg("run", "quickstart", "--out", tmp_path / "out", "-q")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "parameter 0.weight is used outside the layer that holds it (0)" in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+class KeptReference(nn.Module):
+    """A custom layer (vmap fallback) whose forward reads its weight through a reference kept in a
+    plain list: the per-example vmap substitutes the attribute, not the list's entry."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4) / 2)
+        self.refs = [self.weight]
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight.T) @ self.refs[0].T
+
+
+def test_a_custom_layer_reading_its_weight_through_another_reference_is_refused():
+    torch.manual_seed(8)
+    model = nn.Sequential(KeptReference(), nn.Linear(4, 2))
+    xs, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+    obj = Objective(model, lambda i: F.cross_entropy(model(xs[i]), y[i], reduction="none"), 4)
+    with pytest.raises(UserError, match=r"parameter 0\.weight is reached in the forward of layer 0 \(KeptReference\)"):
+        setup(model, obj)
