@@ -26,6 +26,8 @@ from .errors import UserError
 
 META_KEY = "dpregistry"
 NAME = re.compile(r"^step-(\d+)\.safetensors$")
+#: safetensors readers refuse a header (the JSON before the tensor bytes) larger than this
+HEADER_LIMIT = 100_000_000
 
 
 class CorruptCheckpoint(Exception):
@@ -213,5 +215,5 @@ def require_safetensors(path: Path) -> None:
     if len(head) < 8:
         raise UserError(f"{path}: not a safetensors file")
     n = int.from_bytes(head, "little")
-    if n <= 0 or n > 100_000_000 or head[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK"):
+    if n <= 0 or n > HEADER_LIMIT or head[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK"):
         raise UserError(f"{path}: not a safetensors file (pickle and zip archives are refused)")

@@ -29,8 +29,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import UserError
+from .files import read_regular
 from .registry import Entry, Registry
 from .spaces import DENSE, VECTOR_ZO
+from .stages import NoBooleanNumbers
 
 #: recipe section -> stage kind
 SECTIONS = {"objective": "objective", "sampler": "sampler", "estimator": "estimator",
@@ -44,64 +46,172 @@ COSMETIC = {("description",), ("train", "log_every"), ("train", "checkpoint_ever
 
 Loc = tuple[str, int | None]  # (file, line)
 
+# --------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------
+
 # YAML 1.1 (PyYAML) reads 1e-5 as a string; recipes mean a float.
 _FLOAT = re.compile(r"^[-+]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$")
 
 
+#: Limits that keep the work and memory of loading any recipe bounded (README, "Reliability and
+#: security"). The file is read no further than MAX_RECIPE_BYTES; aliases are expanded no further
+#: than MAX_VALUES keys and values or MAX_RECIPE_BYTES characters (an alias bomb of nine levels
+#: would otherwise expand a few hundred bytes into 10^9 values); nesting stops at MAX_DEPTH.
+MAX_RECIPE_BYTES = 1_000_000
+MAX_VALUES = 100_000
+MAX_DEPTH = 32
+MAX_EXTENDS = 16  # recipes in one chain of `extends:`
+
+
 class _Loader(yaml.SafeLoader):
-    pass
+    """The recipe loader: PyYAML's safe loader, whose (recursive) composer refuses nesting beyond
+    MAX_DEPTH."""
+
+    def __init__(self, text: str, file: str):
+        self.file = file
+        self._depth = 0
+        super().__init__(text)
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _too_deep(self.file, self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 
 
-def _parse_scalar(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)
+def _too_deep(file: str, mark) -> UserError:
+    return UserError(f"the recipe nests deeper than {MAX_DEPTH} levels", file=file,
+                     line=mark.line + 1 if mark else None)
 
 
-# --------------------------------------------------------------------------------------------
-# loading
-# --------------------------------------------------------------------------------------------
+class _Expansion:
+    """Counts the keys, values and characters of a recipe as aliases are expanded."""
+
+    def __init__(self, file: str):
+        self.file = file
+        self.values = 0
+        self.chars = 0
+
+    def take(self, node, depth: int) -> None:
+        self.values += 1
+        if isinstance(node, yaml.ScalarNode):
+            self.chars += len(node.value) + 1
+        if depth > MAX_DEPTH:  # an alias inside an alias (or a recursive one) nests further
+            raise _too_deep(self.file, node.start_mark)
+        if self.values > MAX_VALUES or self.chars > MAX_RECIPE_BYTES:
+            raise UserError(f"the recipe expands to more than {MAX_VALUES:,} keys and values or "
+                            f"{MAX_RECIPE_BYTES:,} characters (aliases included)", file=self.file,
+                            line=node.start_mark.line + 1)
 
 
-def _convert(node, loader, file: str, path: tuple, locs: dict[tuple, Loc]):
+def _convert(node, loader, file: str, path: tuple, locs: dict[tuple, Loc], budget: _Expansion):
+    budget.take(node, len(path))
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for k_node, v_node in node.value:
+            budget.take(k_node, len(path) + 1)
             key = loader.construct_object(k_node, deep=True)
             if not isinstance(key, str):
-                raise UserError(f"keys must be strings, got {key!r}", file=file, line=k_node.start_mark.line + 1)
+                raise UserError(f"keys must be strings, got a {type(key).__name__}", file=file,
+                                line=k_node.start_mark.line + 1)
             if key in out:
                 raise UserError("duplicate key", file=file, line=k_node.start_mark.line + 1,
                                 key=".".join(path + (key,)))
             locs[path + (key,)] = (file, k_node.start_mark.line + 1)
-            out[key] = _convert(v_node, loader, file, path + (key,), locs)
+            out[key] = _convert(v_node, loader, file, path + (key,), locs, budget)
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_convert(v, loader, file, path + (str(i),), locs) for i, v in enumerate(node.value)]
+        return [_convert(v, loader, file, path + (str(i),), locs, budget) for i, v in enumerate(node.value)]
     return loader.construct_object(node, deep=True)
+
+
+def _count_values(text: str, file: str) -> None:
+    """Refuse, before any node is built, a text of more than MAX_VALUES keys and values (a
+    streaming pass of libyaml's parser: a million small values would take seconds and hundreds
+    of MB to compose in Python). Syntax errors are left to the full parse, which words them."""
+    parser = getattr(yaml, "CSafeLoader", None) if getattr(yaml, "__with_libyaml__", False) else None
+    if parser is None:
+        return  # the pure-Python parse is bounded by the file size and the expansion limits
+    counted = (yaml.ScalarEvent, yaml.AliasEvent, yaml.MappingStartEvent, yaml.SequenceStartEvent)
+    values = 0
+    try:
+        for event in yaml.parse(text, Loader=parser):
+            if isinstance(event, counted):
+                values += 1
+                if values > MAX_VALUES:
+                    raise UserError(f"the recipe holds more than {MAX_VALUES:,} keys and values", file=file,
+                                    line=event.start_mark.line + 1)
+    except yaml.YAMLError:
+        return
+
+
+def _read_recipe(path: Path, file: str) -> str:
+    data = read_regular(path, "recipe file", limit=MAX_RECIPE_BYTES)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"cannot read recipe (not UTF-8 text: byte {e.start})", file=file) from None
+
+
+def _require_sections(node, file: str) -> None:
+    """A file whose top level names no recipe section is not a recipe: say so without quoting it
+    (``extends: /etc/shadow`` must not print the file's first line as an unknown section)."""
+    if node is None:
+        return
+    if not isinstance(node, yaml.MappingNode):
+        raise UserError("a recipe must be a mapping of sections", file=file, line=1)
+    keys = {k.value for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+    if node.value and not keys & TOP_LEVEL:
+        raise UserError(f"not a recipe: none of its top-level keys is a recipe section (such as algorithm, "
+                        f"objective, privacy, train)", file=file)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's description of a syntax error, with quoted text of the file left out (it may not be a
+    recipe); a quoted single character, like a tab, stays."""
+    if isinstance(e, yaml.reader.ReaderError):  # an unprintable character: its code, not the text
+        return str(e).splitlines()[0]
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return re.sub(r"'[^']{3,}'|\"[^\"]{3,}\"", "(text not shown)", str(problem))
+
+
+def _compose(text: str, file: str, recipe: bool, budget: _Expansion | None = None) -> tuple[Any, dict[tuple, Loc]]:
+    """The value of a YAML text with the location of every key, within the limits (raises
+    yaml.YAMLError for a syntax error). ``budget`` counts the expansion (shared by --set values)."""
+    _count_values(text, file)
+    loader = None
+    try:
+        loader = _Loader(text, file)
+        node = loader.get_single_node()
+        if recipe:
+            _require_sections(node, file)
+        locs: dict[tuple, Loc] = {}
+        if node is None:
+            return ({} if recipe else None), locs
+        return _convert(node, loader, file, (), locs, budget or _Expansion(file)), locs
+    finally:
+        if loader is not None:
+            loader.dispose()
 
 
 def load_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple, Loc]]:
     file = str(path)
+    text = _read_recipe(Path(path), file)
     try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise UserError("recipe file not found", file=file) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read recipe ({e.__class__.__name__})", file=file) from None
-    loader = _Loader(text)
-    try:
-        node = loader.get_single_node()
-        locs: dict[tuple, Loc] = {}
-        data = _convert(node, loader, file, (), locs) if node is not None else {}
+        data, locs = _compose(text, file, recipe=True)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise UserError(f"YAML syntax error: {problem}", file=file,
-                        line=mark.line + 1 if mark else None) from None
-    finally:
-        loader.dispose()
+        line = mark.line + 1 if mark else None
+        if isinstance(e, yaml.reader.ReaderError):  # an unprintable character (NUL, ...)
+            line = text.count("\n", 0, e.position) + 1
+        raise UserError(f"YAML syntax error: {_yaml_problem(e)}", file=file, line=line) from None
     if not isinstance(data, dict):
         raise UserError("a recipe must be a mapping of sections", file=file, line=1)
     return data, locs
@@ -138,34 +248,56 @@ def load_raw(path: Path | str, sets: list[str] | tuple = (), _seen: tuple = ()) 
     if key in _seen:
         chain = " -> ".join(Path(p).name for p in _seen + (key,))
         raise UserError(f"extends cycle: {chain}", file=str(path))
+    if len(_seen) >= MAX_EXTENDS:
+        raise UserError(f"extends: a chain of more than {MAX_EXTENDS} recipes", file=str(path))
     data, locs = load_yaml(path)
+    budget = _Expansion("--set")  # every --set value together
+    # `--set extends=base.yaml` means what `extends: base.yaml` in the recipe means (so it is
+    # applied before the parent is read, relative to the recipe's folder)
+    for s in sets:
+        if _set_path(s)[:1] == ("extends",):
+            _apply_set(data, locs, s, budget)
     parent = data.pop("extends", None)
     if parent is not None:
+        file, line = locs[("extends",)]
         if not isinstance(parent, str):
-            raise UserError("extends must be a path", file=str(path), line=locs[("extends",)][1], key="extends")
+            raise UserError("extends must be a path", file=file, line=line, key="extends")
         ppath = (Path(path).parent / parent)
-        if not ppath.exists():
-            raise UserError(f"extends: {parent} not found", file=str(path), line=locs[("extends",)][1],
-                            key="extends")
+        try:
+            found = ppath.exists()
+        except OSError as e:  # a name too long for the file system, ...
+            raise UserError(f"extends: cannot read {parent} ({e.strerror or e})", file=file, line=line,
+                            key="extends") from None
+        if not found:
+            raise UserError(f"extends: {parent} not found", file=file, line=line, key="extends")
         pdata, plocs = load_raw(ppath, (), _seen + (key,))
         data = _merge(pdata, data)
         locs = {**plocs, **locs}
     for s in sets:
-        _apply_set(data, locs, s)
+        if _set_path(s)[:1] != ("extends",):
+            _apply_set(data, locs, s, budget)
     return data, locs
 
 
-def _apply_set(data: dict, locs: dict, assignment: str) -> None:
+def _set_path(assignment: str) -> tuple[str, ...]:
+    return tuple(assignment.split("=", 1)[0].strip().split("."))
+
+
+def _apply_set(data: dict, locs: dict, assignment: str, budget: _Expansion | None = None) -> None:
     if "=" not in assignment:
         raise UserError(f"--set expects key.path=value, got {assignment!r}", file="--set")
     key, value = assignment.split("=", 1)
     parts = tuple(p for p in key.strip().split("."))
     if not all(parts):
         raise UserError(f"--set: malformed key {key!r}", file="--set")
+    if len(parts) > MAX_DEPTH:
+        raise _too_deep("--set", None)
     try:
-        val = _parse_scalar(value)
+        val, _ = _compose(value, "--set", recipe=False, budget=budget)
     except yaml.YAMLError:
         raise UserError(f"--set: cannot parse value {value!r}", file="--set", key=key) from None
+    except UserError as e:  # a limit: the line of a command-line value means nothing
+        raise UserError(e.message, file="--set", key=key) from None
     node = data
     for i, p in enumerate(parts[:-1]):
         cur = node.get(p)
@@ -186,7 +318,7 @@ def _apply_set(data: dict, locs: dict, assignment: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-class _Strict(BaseModel):
+class _Strict(NoBooleanNumbers):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an infinite budget is no budget
 
 
@@ -422,9 +554,23 @@ def resolve(data: dict[str, Any], locs: dict[tuple, Loc], registry: Registry, so
         raise UserError("output must be 'last' or 'random_iterate'", **{"file": file, **_where(locs, ("output",))})
     resolved.update(seed=seed, output=output, privacy=privacy.model_dump(mode="json"),
                     train=train.model_dump(mode="json"), description=data.get("description", ""))
+    _check_stored_size(resolved, file)
     recipe = Recipe(resolved, stages, privacy, train, seed, output, source=file, locs=locs)
     check_compatibility(recipe, registry)
     return recipe
+
+
+def _check_stored_size(resolved: dict[str, Any], file: str) -> None:
+    """Every checkpoint stores the resolved recipe in its safetensors header (JSON inside JSON),
+    which readers refuse beyond checkpoint.HEADER_LIMIT: a recipe too large for it would run and
+    never resume. It may take a tenth of the header; the rest is for the ledger and stage state."""
+    from .checkpoint import HEADER_LIMIT
+
+    size = len(json.dumps(json.dumps(resolved, default=str)))
+    if size > HEADER_LIMIT // 10:
+        raise UserError(f"the resolved recipe would take {size:,} bytes of every checkpoint's header, more than "
+                        f"{HEADER_LIMIT // 10:,} (a tenth of the {HEADER_LIMIT:,}-byte limit of a safetensors "
+                        f"header): the run could never be resumed", file=file)
 
 
 def load(path: Path | str, sets: list[str] | tuple = (), registry: Registry | None = None) -> Recipe:

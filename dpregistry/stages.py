@@ -33,7 +33,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic_core import InitErrorDetails
 
 from .space_names import DENSE, GRADIENT
 from .privacy.events import PrivacyEvent
@@ -45,9 +46,48 @@ if TYPE_CHECKING:  # pragma: no cover
     from .spaces import Aggregate, Contribution
 
 
-class StageParams(BaseModel):
+_ABSENT = object()
+
+
+def _booleans_read_as_numbers(given: Any, dumps: tuple, loc: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """(location, value) of every boolean in ``given`` that validation turned into a number;
+    ``dumps`` are the validated values (by alias and by field name: the input may use either)."""
+    if isinstance(given, bool):
+        value = next((d for d in dumps if d is not _ABSENT), _ABSENT)
+        if isinstance(value, numbers.Number) and not isinstance(value, bool):
+            yield loc, value
+    elif isinstance(given, dict):
+        for k, v in given.items():
+            sub = tuple(d.get(k, _ABSENT) if isinstance(d, dict) else _ABSENT for d in dumps)
+            yield from _booleans_read_as_numbers(v, sub, loc + (k,))
+    elif isinstance(given, (list, tuple)):
+        for i, v in enumerate(given):
+            sub = tuple(d[i] if isinstance(d, (list, tuple)) and i < len(d) else _ABSENT for d in dumps)
+            yield from _booleans_read_as_numbers(v, sub, loc + (i,))
+
+
+class NoBooleanNumbers(BaseModel):
+    """A schema that refuses a boolean where a number is meant: pydantic reads ``epsilon: true``
+    as 1 and ``clip: false`` as 0. (Strict mode would refuse them too, and also the lists a tuple
+    field is given in YAML and JSON.)"""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _no_booleans_as_numbers(cls, data, handler):
+        model = handler(data)
+        if isinstance(data, dict):
+            dumps = (model.model_dump(by_alias=True), model.model_dump())
+            bad = [InitErrorDetails(type="float_type" if isinstance(v, float) else "int_type", loc=loc, input=True)
+                   for loc, v in _booleans_read_as_numbers(data, dumps)]
+            if bad:
+                raise ValidationError.from_exception_data(cls.__name__, bad)
+        return model
+
+
+class StageParams(NoBooleanNumbers):
     """Base of every stage's recipe schema: unknown keys are errors, and so are NaN and ±inf
-    (a field that means something by inf, like a clip of inf, says so with allow_inf_nan=True)."""
+    (a field that means something by inf, like a clip of inf, says so with allow_inf_nan=True),
+    and booleans where numbers are meant."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False,
                               populate_by_name=True)
