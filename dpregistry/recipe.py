@@ -342,8 +342,13 @@ class PrivacySection(_Strict):
         return self
 
 
+#: the most steps a run may plan (plans are computed in closed form; the limit keeps every count,
+#: and the time it states, meaningful)
+MAX_STEPS = 10**9
+
+
 class TrainSection(_Strict):
-    steps: int = Field(gt=0, description="number of private steps (releases)")
+    steps: int = Field(gt=0, le=MAX_STEPS, description="number of private steps (releases)")
     log_every: int = Field(default=10, gt=0)
     eval_every: int | None = Field(default=None, gt=0)
     checkpoint_every: int | None = Field(default=None, gt=0)

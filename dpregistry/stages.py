@@ -195,6 +195,13 @@ class Sampler(Stage):
         """Wrap a step's mechanism events in this sampler's sampling/partition structure."""
         raise NotImplementedError
 
+    def account_steps(self, steps: range, events: list[PrivacyEvent], run: "Run") -> list[Charge]:
+        """The charges of every step in ``steps``, each releasing ``events``: the sum of
+        ``account(t, events, run)`` over t, merged into counts. Plans use it, so a sampler should
+        compute it in closed form (the default calls ``account`` once per step: 10^9 steps would
+        take hours)."""
+        return compress(c for t in steps for c in self.account(t, events, run))
+
 
 # --------------------------------------------------------------------------------------------
 # Estimator
@@ -340,8 +347,7 @@ class Algorithm(Stage):
         before the first step, and inverted for calibration. Return [] for adaptive algorithms
         (the filter then guards the budget)."""
         per_step = run.privatizer.planned_events(noise_multiplier, run)
-        return compress(c for t in range(run.step, self.total_steps(run))
-                        for c in run.sampler.account(t, per_step, run))
+        return compress(run.sampler.account_steps(range(run.step, self.total_steps(run)), per_step, run))
 
     def step(self, run: "Run") -> StepResult:
         idx = run.sampler.indices(run.step, run)
@@ -359,3 +365,8 @@ def compress(charges) -> list[Charge]:
         key = (c.event, c.partition)
         counts[key] = counts.get(key, 0) + c.count
     return [Charge(e, p, n) for (e, p), n in counts.items()]
+
+
+def repeat(charges: list[Charge], times: int) -> list[Charge]:
+    """The charges of ``times`` steps that each charge ``charges``."""
+    return [Charge(c.event, c.partition, c.count * times) for c in charges] if times > 0 else []

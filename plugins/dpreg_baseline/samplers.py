@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Literal
 
@@ -9,6 +10,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from dpregistry import Charge, Sampler, StageParams, UserError
+from dpregistry.stages import repeat
 from dpregistry.privacy.events import Composed, NonPrivate, PoissonSampled, PrivacyEvent, SampledWithoutReplacement
 
 
@@ -20,6 +22,25 @@ def sampled_together(events: list[PrivacyEvent], wrap) -> list[Charge]:
     if private:
         out.append(Charge(wrap(private[0] if len(private) == 1 else Composed(tuple(private)))))
     return out
+
+
+def _every_step_alike(sampler, steps: range, events, run) -> list[Charge]:
+    """account_steps of a sampler whose charges do not depend on the step: one step's, times |steps|."""
+    return repeat(sampler.account(steps.start, events, run), len(steps)) if steps else []
+
+
+def multiples_in(steps: range, m: int) -> int:
+    """How many t in ``steps`` are multiples of m (a linear congruence: closed form in any range)."""
+    if not steps:
+        return 0
+    a, s = steps.start, steps.step
+    # a + k·s ≡ 0 (mod m)  <=>  k·(s/g) ≡ −a/g (mod m/g), solvable when g = gcd(s, m) divides a
+    g = math.gcd(s, m)
+    if a % g:
+        return 0
+    mg = m // g
+    k0 = (-a // g) * pow(s // g, -1, mg) % mg if mg > 1 else 0
+    return max(0, -(-(len(steps) - k0) // mg))
 
 
 class PoissonParams(StageParams):
@@ -59,6 +80,9 @@ class PoissonSampler(Sampler):
 
     def account(self, step, events, run):
         return sampled_together(events, lambda e: PoissonSampled(self.q, e))
+
+    def account_steps(self, steps, events, run):
+        return _every_step_alike(self, steps, events, run)
 
 
 class ShuffleParams(StageParams):
@@ -125,6 +149,15 @@ class ShuffleSampler(Sampler):
         missing = Counter(events) - self._charged_at(start, run)
         return [Charge(e, count=n) for e, n in missing.items()]
 
+    def account_steps(self, steps, events, run):
+        if self.cfg.accounting == "poisson_heuristic":
+            return _every_step_alike(self, steps, events, run)
+        # exact: each epoch start in the range, and the current step if it is not one
+        out = repeat([Charge(e) for e in events], multiples_in(steps, self.per_epoch))
+        if run.step in steps and run.step % self.per_epoch:
+            out += self.account(run.step, events, run)
+        return out
+
     @staticmethod
     def _charged_at(step, run) -> Counter:
         """Unpartitioned events the ledger charged at ``step`` (an entry spanning several steps
@@ -171,6 +204,9 @@ class UniformSampler(Sampler):
     def account(self, step, events, run):
         return sampled_together(events, lambda e: SampledWithoutReplacement(self.n, self.B, e))
 
+    def account_steps(self, steps, events, run):
+        return _every_step_alike(self, steps, events, run)
+
 
 class FullBatch(Sampler):
     """Every record at every step (no amplification)."""
@@ -188,6 +224,9 @@ class FullBatch(Sampler):
 
     def account(self, step, events, run):
         return [Charge(e) for e in events]
+
+    def account_steps(self, steps, events, run):
+        return _every_step_alike(self, steps, events, run)
 
 
 SAMPLERS = (PoissonSampler, UniformSampler, ShuffleSampler, FullBatch)

@@ -17,7 +17,7 @@ from typing import Any
 
 from dpregistry import Algorithm, UserError
 from dpregistry.spaces import INCREMENT
-from dpregistry.stages import compress
+from dpregistry.stages import Charge, compress
 
 from .points import FlatView
 from .tree import period_position
@@ -65,6 +65,14 @@ def consumption(steps: int, period: int, b1: int, b2: int) -> int:
     """Records a single pass of ``steps`` steps reads: B1⌈T/Σ⌉ + B2(T − ⌈T/Σ⌉) (spec 002 §7.12)."""
     starts = -(-steps // period)
     return b1 * starts + b2 * (steps - starts)
+
+
+def _minus(charges: list[Charge], less: list[Charge]) -> list[Charge]:
+    """``charges`` less the charges ``less`` (a subset of them: a sum over fewer steps)."""
+    left = {(c.event, c.partition): c.count for c in compress(charges)}
+    for c in compress(less):
+        left[(c.event, c.partition)] -= c.count
+    return [Charge(e, p, n) for (e, p), n in left.items() if n]
 
 
 class O2NCAlgorithm(Algorithm):
@@ -148,17 +156,19 @@ class O2NCAlgorithm(Algorithm):
         return super().step(run)
 
     def plan(self, run, noise_multiplier):
-        """Every charge of the rest of the run: the privatizer's events at each position, wrapped
-        by the sampler in the partition of the data they touch."""
-        events_at: dict[int, list] = {}
-        charges = []
-        for t in range(run.step, self.total_steps(run)):
-            _, p = self.position(t)
-            if p not in events_at:
-                events_at[p] = run.privatizer.stream_events(noise_multiplier, run, p)
-            if events_at[p]:
-                charges.extend(run.sampler.account(t, events_at[p], run))
-        return compress(charges)
+        """Every charge of the rest of the run, in closed form: the privatizer's events at a period
+        start (p = 1) and at the other positions (p > 1, where they are alike, see
+        ``stream_events``), wrapped by the sampler in the partition of the data they touch."""
+        s0, T, P = run.step, self.total_steps(run), self.settings.period
+        if s0 >= T:
+            return []
+        steps, starts = range(s0, T), range(s0 + (-s0 % P), T, P)
+        first = run.privatizer.stream_events(noise_multiplier, run, 1)
+        at_starts = run.sampler.account_steps(starts, first, run)
+        rest = run.privatizer.stream_events(noise_multiplier, run, 2) if P > 1 else []
+        # the steps that are no period start: every step's charges less the starts'
+        elsewhere = _minus(run.sampler.account_steps(steps, rest, run), run.sampler.account_steps(starts, rest, run))
+        return compress(at_starts + elsewhere if s0 % P == 0 else elsewhere + at_starts)
 
     # -- step size -------------------------------------------------------------------------------
 

@@ -87,7 +87,9 @@ class BoundedPrivatizer(Privatizer):
         return out
 
     def stream_events(self, noise_multiplier: float, run, p: int) -> list:
-        """The events of the release at period position ``p`` (planning and release use the same)."""
+        """The events of the release at period position ``p`` (planning and release use the same).
+        They may differ between a period's start (p = 1) and its other steps, not among those
+        (the plan is computed in closed form from p = 1 and p = 2)."""
         raise NotImplementedError
 
     def planned_events(self, noise_multiplier, run):

@@ -19,6 +19,11 @@ from dpregistry import Charge, Sampler, StageParams, UserError
 from .algorithm import consumption
 
 
+def _count_below(steps: range, x: int) -> int:
+    """How many t in ``steps`` are below x."""
+    return len(range(steps.start, max(steps.start, min(steps.stop, x)), steps.step))
+
+
 class SinglePassParams(StageParams):
     batch_first: int | Literal["auto"] = Field(default="auto", description="B1 at each period start (auto: the theorem's)")
     batch_rest: int | Literal["auto"] = Field(default="auto", description="B2 at the other steps (auto: the theorem's)")
@@ -75,6 +80,18 @@ class SinglePass(Sampler):
     def account(self, step, events, run):
         k, _, _ = self._schedule(step, run)
         return [Charge(e, partition=f"period{k}") for e in events]
+
+    def account_steps(self, steps, events, run):
+        """Per period: the steps of ``steps`` in it, charged to its partition. A single pass takes
+        at most one step per record, so there are at most n periods to visit."""
+        if not steps or not events:
+            return []
+        P = run.algorithm.settings.period
+        out = []
+        for k in range(steps[0] // P, steps[-1] // P + 1):
+            n = _count_below(steps, (k + 1) * P) - _count_below(steps, k * P)
+            out += [Charge(e, partition=f"period{k}", count=n) for e in events] if n else []
+        return out
 
     def state_dict(self):
         return {"consumed": self.consumed}
