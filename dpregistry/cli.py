@@ -593,6 +593,7 @@ def _subsampled_plan(steps: int, q: float, relation: str):
 
 
 Relation = Annotated[str, typer.Option("--relation", help="replace_one (the papers) or add_remove (Opacus)")]
+MAX_POINTS = 1000  # `privacy report --points`: each point is one accountant evaluation
 
 
 @privacy_app.command("calibrate")
@@ -643,12 +644,14 @@ def privacy_epsilon(noise_multiplier: Annotated[float, typer.Option("--noise-mul
 
 
 def _check_ranges(epsilon=None, delta=None, steps=None, sample_rate=None, relation=None):
-    if epsilon is not None and not epsilon > 0:
-        raise UserError("--epsilon must be positive")
+    from .recipe import MAX_STEPS
+
+    if epsilon is not None and not 0 < epsilon < math.inf:
+        raise UserError("--epsilon must be positive and finite")
     if delta is not None and not 0 < delta < 1:
         raise UserError("--delta must be in (0, 1)")
-    if steps is not None and steps <= 0:
-        raise UserError("--steps must be positive")
+    if steps is not None and not 0 < steps <= MAX_STEPS:
+        raise UserError(f"--steps must be between 1 and {MAX_STEPS:,}")
     if sample_rate is not None and not 0 < sample_rate <= 1:
         raise UserError("--sample-rate must be in (0, 1]")
     if relation is not None and relation not in ("replace_one", "add_remove"):
@@ -663,8 +666,8 @@ def privacy_report(run_dir: Path,
     from .report import privacy_report as build
 
     with user_errors():
-        if points < 1:
-            raise UserError("--points must be positive")
+        if not 1 <= points <= MAX_POINTS:
+            raise UserError(f"--points must be between 1 and {MAX_POINTS}")
         rep = build(run_dir, points=points)
     if as_json:
         print(json.dumps(rep, default=str, indent=2))

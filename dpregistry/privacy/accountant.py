@@ -276,7 +276,7 @@ class Accountant(Stage):
 def _log_ratio(spent: float, budget: float) -> float:
     if spent <= 0:
         return -math.inf
-    if math.isinf(spent) or math.isnan(spent):
+    if math.isinf(spent) or math.isnan(spent) or not budget > 0:  # a budget that underflowed to 0
         return math.inf
     return math.log(spent / budget)
 

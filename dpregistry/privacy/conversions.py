@@ -37,7 +37,11 @@ def zcdp_to_delta(rho: float, epsilon: float) -> float:
 
 
 def gaussian_zcdp(sensitivity: float, std: float) -> float:
-    """The Gaussian mechanism is Δ²/(2σ²)-zCDP (as (Δ/σ)²/2: no overflow for a huge σ)."""
+    """The Gaussian mechanism is Δ²/(2σ²)-zCDP (as (Δ/σ)²/2: no overflow for a huge σ; inf for a
+    σ so small that (Δ/σ)² overflows)."""
     if std == 0:
         return math.inf
-    return (sensitivity / std) ** 2 / 2
+    try:
+        return (sensitivity / std) ** 2 / 2
+    except OverflowError:
+        return math.inf

@@ -33,6 +33,7 @@ from functools import lru_cache
 import dp_accounting as dpa
 import numpy as np
 from dp_accounting.pld import common as pldcommon
+from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pldlib
 from dp_accounting.rdp import rdp_privacy_accountant as rdplib
 from pydantic import Field
@@ -52,11 +53,23 @@ logging.getLogger("absl").setLevel(logging.ERROR)
 NR = dpa.NeighboringRelation
 ORDERS = tuple(rdplib.DEFAULT_RDP_ORDERS)
 
+#: The noise multipliers (σ/Δ) dp-accounting computes reliably: below Z_MIN its curves overflow or
+#: come out as 0 (an ε of 0 for σ/Δ = 1e-160), so such a release is charged as non-private (ε = ∞,
+#: the truth for any use: ε > 10^5 per step); above Z_MAX they overflow, so it is charged at Z_MAX
+#: (privacy loss falls as σ grows: an upper bound, off by less than 10^-16 in ε).
+Z_MIN, Z_MAX = 1e-3, 1e8
+
+
+def _in_range(z: float) -> float | None:
+    """The multiplier to account a release of noise multiplier ``z`` at (None: as non-private)."""
+    return None if not z >= Z_MIN else min(z, Z_MAX)
+
 
 def _gaussian_multiplier(ev: PrivacyEvent) -> float:
     if isinstance(ev, Composed):  # releases of one batch: the Gaussian with (Δ/σ)² = Σ (Δ_i/σ_i)²
         zs = [_gaussian_multiplier(e) for e in ev.events]
-        return 0.0 if not zs or min(zs) == 0 else 1.0 / math.sqrt(math.fsum(z ** -2 for z in zs))
+        # (1/z)·(1/z) is inf for a tiny z where z ** -2 raises OverflowError
+        return 0.0 if not zs or min(zs) == 0 else 1.0 / math.sqrt(math.fsum((1 / z) * (1 / z) for z in zs))
     if isinstance(ev, TreeAggregation):
         ev = ev.as_gaussian()
     if not isinstance(ev, Gaussian):
@@ -103,19 +116,21 @@ def _to_rdp_event(ev: PrivacyEvent, relation: str):
     if isinstance(ev, TreeAggregation):  # a dp-accounting event, not a ρ: Gaussian of sensitivity Δ·sqrt(nodes)
         ev = ev.as_gaussian()
     if isinstance(ev, Gaussian):
-        return (dpa.GaussianDpEvent(ev.noise_multiplier) if ev.std > 0 else dpa.NonPrivateDpEvent()), NR.ADD_OR_REMOVE_ONE
+        z = _in_range(ev.noise_multiplier)
+        return (dpa.GaussianDpEvent(z) if z else dpa.NonPrivateDpEvent()), NR.ADD_OR_REMOVE_ONE
     if isinstance(ev, PoissonSampled):
-        z = _gaussian_multiplier(ev.event)
-        inner = dpa.GaussianDpEvent(z) if z > 0 else dpa.NonPrivateDpEvent()
+        z = _in_range(_gaussian_multiplier(ev.event))
+        if not z:  # a sampled record's release is exposed: no ε at any δ below q (dp-accounting has no event for it)
+            return dpa.NonPrivateDpEvent(), NR.ADD_OR_REMOVE_ONE
         # replace-one: add/remove at the doubled sensitivity (module docstring); the event's Δ
         # already is the replace-one distance 2C, so std/Δ is that multiplier.
-        return dpa.PoissonSampledDpEvent(ev.q, inner), NR.ADD_OR_REMOVE_ONE
+        return dpa.PoissonSampledDpEvent(ev.q, dpa.GaussianDpEvent(z)), NR.ADD_OR_REMOVE_ONE
     if isinstance(ev, SampledWithoutReplacement):
         if relation != "replace_one":
             raise UserError("sampling without replacement is analysed under replace-one only "
                             "(privacy.relation: replace_one)")
-        z = _gaussian_multiplier(ev.event)
-        if z == 0:
+        z = _in_range(_gaussian_multiplier(ev.event))
+        if not z:
             return dpa.NonPrivateDpEvent(), NR.REPLACE_ONE
         return dpa.SampledWithoutReplacementDpEvent(ev.n, ev.batch_size, dpa.GaussianDpEvent(z)), NR.REPLACE_ONE
     if isinstance(ev, ZCDP):
@@ -346,6 +361,38 @@ def _consistent(slack: float, fits: bool) -> float:
 # ------------------------------------------------------------------------------------------
 
 
+#: The most points of a privacy-loss array the pld accountant builds. Building the PLD of one event
+#: costs about 7 µs and 400 bytes a point in dp-accounting, composing about 70 bytes a point, so
+#: each limit means a few hundred MB. Realistic runs need a few 10^5 (1,000,000 steps at q = 0.18
+#: calibrated to ε = 3: 380,000). A loss too wide for the discretization (σ/Δ below about 0.25 at
+#: 1e-4) or a composition of too many steps would need more; it is refused rather than take
+#: minutes and gigabytes (the rdp accountant has no such limit).
+MAX_PLD_POINTS = 1_000_000
+MAX_PLD_COMPOSED_POINTS = 5_000_000
+
+
+class PldTooLarge(UserError):
+    """A privacy-loss array would exceed its limit."""
+
+
+def _too_large(points: float, why: str, limit: int = MAX_PLD_POINTS) -> UserError:
+    return PldTooLarge(f"pld: {why} needs a privacy-loss array of {points:,.0f} points, more than the limit of "
+                       f"{limit:,}; use accountant rdp, or a coarser accountant.discretization", key="accountant")
+
+
+def _gaussian_std(std: float, sensitivity: float, discretization: float) -> float | None:
+    """The std to build the PLD of a Gaussian at (None: non-private), refusing a loss too wide for
+    the array limit: the loss of σ/Δ = z spans about 2·10/z + 1/z² (dp-accounting cuts the tails
+    at e^-50, |x| ≤ 10σ)."""
+    z = _in_range(std / sensitivity)
+    if z is None:
+        return None
+    points = (20 / z + 1 / (z * z)) / discretization
+    if points > MAX_PLD_POINTS:
+        raise _too_large(points, f"a release at noise multiplier {z:.3g} (discretization {discretization:g})")
+    return z * sensitivity if z < std / sensitivity else std  # clamped at Z_MAX, else as given
+
+
 @lru_cache(maxsize=64)
 def pld_of(ev: PrivacyEvent, relation: str, discretization: float):
     """dp-accounting PLD of one base event (math.inf for a non-private one). Cached: building the
@@ -355,9 +402,10 @@ def pld_of(ev: PrivacyEvent, relation: str, discretization: float):
     if isinstance(ev, TreeAggregation):  # a PLD, not a ρ: the Gaussian of sensitivity Δ·sqrt(nodes)
         ev = ev.as_gaussian()
     if isinstance(ev, Gaussian):
-        if ev.std == 0:
+        std = _gaussian_std(ev.std, ev.sensitivity, discretization)
+        if std is None:
             return math.inf
-        return pldlib.from_gaussian_mechanism(ev.std, sensitivity=ev.sensitivity, use_connect_dots=True,
+        return pldlib.from_gaussian_mechanism(std, sensitivity=ev.sensitivity, use_connect_dots=True,
                                               value_discretization_interval=discretization)
     if isinstance(ev, PoissonSampled):
         inner = ev.event.as_gaussian() if isinstance(ev.event, TreeAggregation) else ev.event
@@ -365,24 +413,51 @@ def pld_of(ev: PrivacyEvent, relation: str, discretization: float):
             inner = Gaussian(std=_gaussian_multiplier(inner), sensitivity=1.0)
         if not isinstance(inner, Gaussian):
             raise UserError("pld: only Poisson-subsampled Gaussians are supported")
-        if inner.std == 0:
+        std = _gaussian_std(inner.std, inner.sensitivity, discretization)
+        if std is None:
             return math.inf
         if relation == "replace_one":
             # per-record bound = Δ/2: the differing record moves the sum by ±Δ/2 from the rest
-            return pldlib.from_gaussian_mechanism(inner.std, sensitivity=inner.sensitivity / 2,
+            return pldlib.from_gaussian_mechanism(std, sensitivity=inner.sensitivity / 2,
                                                   sampling_prob=ev.q, neighboring_relation=NR.REPLACE_ONE,
                                                   use_connect_dots=True,
                                                   value_discretization_interval=discretization)
-        return pldlib.from_gaussian_mechanism(inner.std, sensitivity=inner.sensitivity, sampling_prob=ev.q,
+        return pldlib.from_gaussian_mechanism(std, sensitivity=inner.sensitivity, sampling_prob=ev.q,
                                               neighboring_relation=NR.ADD_OR_REMOVE_ONE, use_connect_dots=True,
                                               value_discretization_interval=discretization)
     if isinstance(ev, Exponential):
+        points = 2 * ev.epsilon / discretization  # randomized response: losses ±ε
+        if points > MAX_PLD_POINTS:
+            raise _too_large(points, f"an exponential mechanism of ε = {ev.epsilon:g}")
         # any pure ε-DP mechanism is dominated by randomized response's privacy loss
         return pldlib.from_privacy_parameters(pldcommon.DifferentialPrivacyParameters(ev.epsilon, 0.0),
                                               value_discretization_interval=discretization)
     if isinstance(ev, NonPrivate):
         return math.inf
     raise UserError(f"the pld accountant cannot account {ev.type!r} events (use rdp or zcdp)")
+
+
+def _self_compose(pld, m: int):
+    """``pld.self_compose(m)`` within MAX_PLD_POINTS: the array sizes are computed first, with
+    dp-accounting's own truncation bounds. A sparse PMF is made dense first when dp-accounting would
+    (it decides by computing size**m, which takes minutes for m in the millions)."""
+    pmfs = [pld._pmf_remove] if pld._symmetric else [pld._pmf_remove, pld._pmf_add]
+    dense = []
+    for pmf in pmfs:
+        if isinstance(pmf, pld_pmf.SparsePLDPmf):
+            if m * math.log(max(pmf.size, 1)) <= math.log(1000):  # stays sparse: at most 1000 points
+                dense.append(pmf)
+                continue
+            keys = pmf._loss_probs
+            width = max(keys) - min(keys) + 1 if keys else 1
+            if width > MAX_PLD_COMPOSED_POINTS:
+                raise _too_large(width, f"composing {m:,} steps", MAX_PLD_COMPOSED_POINTS)
+            pmf = pmf.to_dense_pmf()
+        lo, hi = pldcommon.compute_self_convolve_bounds(pmf._probs, m, 1e-15)
+        if hi - lo + 1 > MAX_PLD_COMPOSED_POINTS:
+            raise _too_large(hi - lo + 1, f"composing {m:,} steps", MAX_PLD_COMPOSED_POINTS)
+        dense.append(pmf)
+    return pldlib.PrivacyLossDistribution(*dense).self_compose(m)
 
 
 @lru_cache(maxsize=16)  # a composed PLD holds up to ~1e6 floats
@@ -393,7 +468,7 @@ def _composed_pld(items: frozenset, relation: str, discretization: float):
         p = pld_of(ev, relation, discretization)
         if p is math.inf:
             return math.inf
-        p = p.self_compose(m) if m > 1 else p
+        p = _self_compose(p, m) if m > 1 else p
         total = p if total is None else total.compose(p)
     return total
 
@@ -425,9 +500,16 @@ class PldAccountant(Accountant):
     supports = frozenset({"gaussian", "poisson_sampled", "composed", "self_composed", "tree_aggregation",
                           "exponential", "non_private"})
     Params = PldParams
+    _refused_size: PldTooLarge | None = None  # the last array too large for a calibration step
 
     def validate(self, run):
         refuse_rho_budget(self)
+
+    def _fits(self, groups):
+        try:
+            return super()._fits(groups)
+        except PldTooLarge:  # what cannot be computed is not approved (epsilon() says why)
+            return False
 
     def _per_partition(self, groups) -> list[frozenset]:
         base = groups.get(None, Counter())
@@ -448,9 +530,13 @@ class PldAccountant(Accountant):
 
     def _slack_at(self, plan, z: float, discretization: float) -> float:
         b = self.budget
-        return _log_ratio(self._epsilon(self.ledger.grouped(plan(z)), b.delta, discretization), b.epsilon)
+        try:
+            return _log_ratio(self._epsilon(self.ledger.grouped(plan(z)), b.delta, discretization), b.epsilon)
+        except PldTooLarge as e:  # a loss that wide is far over any budget; the search moves on
+            self._refused_size = e
+            return math.inf
 
-    def calibrate(self, plan, *, lo=1e-2, hi=1e3, rtol=2e-3, guess=1.0):
+    def _calibrate(self, plan, *, lo=1e-2, hi=1e3, rtol=2e-3, guess=1.0):
         """RDP guess, coarse PLD search, fine PLD bracket.
 
         1. RDP on a sparse set of orders gives a close guess in milliseconds (RDP is looser than
@@ -497,6 +583,15 @@ class PldAccountant(Accountant):
         known = [(z, self._slack_at(plan, z, fine))]
         return solve_boundary(lambda x: self._slack_at(plan, x, fine), lo=lo, hi=hi, rtol=rtol,
                               known=known, slope=slope)
+
+    def calibrate(self, plan, **kw):
+        self._refused_size = None
+        try:
+            return self._calibrate(plan, **kw)
+        except UserError:
+            if self._refused_size is not None:  # no fit because nothing could be computed: say why
+                raise self._refused_size from None
+            raise
 
 
 # ------------------------------------------------------------------------------------------

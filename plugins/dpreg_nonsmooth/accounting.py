@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dpregistry import Accountant, StageParams, UserError
-from dpregistry.privacy.conversions import epsilon_to_zcdp, zcdp_to_delta, zcdp_to_epsilon
+from dpregistry.privacy.conversions import epsilon_to_zcdp, gaussian_zcdp, zcdp_to_delta, zcdp_to_epsilon
 from dpregistry.privacy.events import (Composed, Gaussian, NonPrivate, PrivacyEvent, SelfComposed,
                                        TreeAggregation, ZCDP)
 
@@ -46,7 +46,12 @@ def event_rho(ev: PrivacyEvent) -> float:
     if isinstance(ev, TreeAggregation):
         ev = ev.as_gaussian()
     if isinstance(ev, Gaussian):
-        return math.inf if ev.std == 0 else ev.sensitivity ** 2 / (2 * ev.std ** 2)
+        if ev.std == 0:
+            return math.inf
+        try:
+            return ev.sensitivity ** 2 / (2 * ev.std ** 2)
+        except (OverflowError, ZeroDivisionError):  # σ² under- or overflows: the ratio does not
+            return gaussian_zcdp(ev.sensitivity, ev.std)
     if isinstance(ev, ZCDP):
         return ev.rho
     if isinstance(ev, Composed):
