@@ -148,6 +148,15 @@ class Run:
             self.device  # noqa: B018  (an objective that never placed a tensor still gets the check)
         except UserError as e:
             raise _locate(e, self.recipe, self._section)
+        except (MemoryError, RuntimeError) as e:
+            if not _is_out_of_memory(e):
+                raise
+            # a model or data set sized by the recipe that does not fit: bad input, not a bug
+            raise _locate(UserError(f"out of memory while building the run ({str(e).splitlines()[0][:200]})"),
+                          self.recipe, self._section) from None
+        except OSError as e:  # preparing only reads: a data or model path the recipe names (too long, ...)
+            name = f" {e.filename}" if e.filename else ""
+            raise _locate(UserError(f"cannot read{name} ({e.strerror or e})"), self.recipe, self._section) from None
         return self
 
     def _check_ranks_share_the_noise_key(self) -> None:
@@ -552,6 +561,12 @@ class Run:
 
 
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed (torch's CPU allocator raises a plain RuntimeError)."""
+    return isinstance(e, (MemoryError, _OUT_OF_MEMORY)) or (
+        isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "not enough memory" in str(e)))
 
 SECTION_OF = {kind: section for section, kind in SECTIONS.items()} | {"algorithm": "algorithm"}
 

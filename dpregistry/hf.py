@@ -57,16 +57,33 @@ def resolve_model_dir(path: str, *, need_weights: bool = True) -> str:
 
     Weights load from safetensors only: a folder with nothing but pickled weights is refused."""
     folder = _resolve_model_dir(path, need_weights)
+    require_regular_files(folder)
     if need_weights:
         require_safetensors_weights(folder)
     return folder
+
+
+def require_regular_files(folder: str | Path) -> None:
+    """Refuse a model folder with a file that is not a regular one. transformers opens the files of a model folder by name: a FIFO among them would block the
+    run, a device would never end (links are followed: a hub cache links to its blobs)."""
+    try:
+        for f in Path(folder).iterdir():
+            if not (f.is_file() or f.is_dir()):
+                raise UserError(f"{f} is not a regular file (a FIFO, a device, a socket or a broken link)",
+                                key="model.path")
+    except OSError as e:
+        raise UserError(f"cannot read the model folder {folder} ({e.strerror or e})", key="model.path") from None
 
 
 def _resolve_model_dir(path: str, need_weights: bool) -> str:
     if path in ALIASES:
         return _alias_dir(path)
     p = Path(path).expanduser()
-    if p.exists():
+    try:
+        found = p.exists()
+    except OSError as e:  # a name too long for the file system, ...
+        raise UserError(f"cannot read model folder {path!r} ({e.strerror or e})", key="model.path") from None
+    if found:
         if not (p / "config.json").exists():
             raise UserError(f"{p} has no config.json; it is not a Hugging Face model folder", key="model.path")
         return str(p)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from contextlib import contextmanager
 
@@ -13,6 +14,23 @@ from .persample import check_forward_is_pure
 from .stages import Objective
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def physical_memory() -> int | None:
+    """Bytes of memory this machine has (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def require_memory(nbytes: float, what: str, key: str) -> None:
+    """Refuse, before allocating it, what needs more memory than the machine has: a size of 10^11
+    from a recipe would otherwise fail deep inside torch, or be granted lazily and thrash."""
+    total = physical_memory()
+    if total and nbytes > total:
+        raise UserError(f"{what} would need {nbytes / 2**30:,.1f} GiB, more than the {total / 2**30:,.1f} GiB of "
+                        f"memory this machine has", key=key)
 
 
 class Trainable(BaseModel):

@@ -10,11 +10,13 @@ from typing import Any
 
 from . import checkpoint as ckpt
 from .errors import UserError
+from .files import read_regular, require_regular
 from .privacy.accountant import Accountant, Ledger, make_accountant
 from .privacy.events import PrivacyEvent
 from .rng import noise_statement
 
 PLOT_NAME = "privacy_epsilon.png"
+MAX_JSON_BYTES = 100_000_000  # summary.json and recipe.json are kilobytes (a recipe at most a few MB)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -22,7 +24,10 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     from .engine import read_rows
 
     path = Path(run_dir) / "metrics.jsonl"
-    return read_rows(path) if path.exists() else []
+    if not path.exists():
+        return []
+    require_regular(path, "metrics file")  # a FIFO would block the report
+    return read_rows(path)
 
 
 Series = tuple[str, list, list]  # (label, steps, values)
@@ -143,7 +148,7 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(read_regular(path, "JSON file", limit=MAX_JSON_BYTES))
     except (OSError, ValueError):
         raise UserError("unreadable JSON", file=str(path)) from None
     return obj if isinstance(obj, dict) else {}

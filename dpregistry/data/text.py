@@ -9,10 +9,12 @@ from __future__ import annotations
 import csv
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..files import open_regular, require_regular
 
 FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 
@@ -28,7 +30,7 @@ class TextTable:
 def _rows(path: Path, fmt: str):
     """Yield (line number, dict row)."""
     if fmt == "jsonl":
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path, "data file", encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -41,7 +43,7 @@ def _rows(path: Path, fmt: str):
                 yield i, row
         return
     delim = "\t" if fmt == "tsv" else ","
-    with open(path, encoding="utf-8", newline="") as f:
+    with open_regular(path, "data file", encoding="utf-8", newline="") as f:
         reader = csv.reader(f, delimiter=delim, quoting=csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL)
         try:
             header = next(reader)
@@ -59,9 +61,11 @@ def _rows(path: Path, fmt: str):
 
 def load_table(path: str | Path, *, text_columns: list[str], label_column: str,
                labels: list[str] | None = None, fmt: str | None = None) -> TextTable:
+    repeated = [n for n, c in Counter(str(x) for x in labels or ()).items() if c > 1]
+    if repeated:  # two indices for one label: the second could never be predicted
+        raise UserError(f"duplicate label {repeated[0]!r}", key="data.labels")
     path = Path(path).expanduser()
-    if not path.exists():
-        raise UserError("data file not found", file=str(path))
+    require_regular(path, "data file")  # not found, a folder, a FIFO (would block), a device (never ends)
     fmt = fmt or FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise UserError(f"unknown data format {path.suffix!r} (use .tsv, .csv or .jsonl, or set data.format)",
@@ -77,10 +81,10 @@ def load_table(path: str | Path, *, text_columns: list[str], label_column: str,
             raw_labels.append((line, str(row[label_column]).strip()))
     except UnicodeDecodeError as e:
         raise UserError(f"not UTF-8 text (byte {e.start}: {e.reason})", file=str(path)) from None
-    except IsADirectoryError:
-        raise UserError("is a folder, not a data file", file=str(path)) from None
     except csv.Error as e:
         raise UserError(f"malformed {fmt.upper()} ({e})", file=str(path)) from None
+    if not raw_labels:  # an empty test set would report accuracy 0 and loss 0 as if measured
+        raise UserError("the data file is empty: it holds no examples", file=str(path))
     names = [str(x) for x in labels] if labels is not None else sorted({lab for _, lab in raw_labels})
     index = {n: i for i, n in enumerate(names)}
     out = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,7 @@ from torch import nn
 
 from dpregistry import StageParams, UserError
 from dpregistry.data import k_shot, load_table, load_tabular
-from dpregistry.objectives import DTYPES, TorchObjective, Trainable, seeded
+from dpregistry.objectives import DTYPES, TorchObjective, Trainable, require_memory, seeded
 from dpregistry.stages import Objective
 
 
@@ -27,7 +27,8 @@ class _Sub(BaseModel):
 
 class TabularModel(_Sub):
     kind: Literal["linear", "mlp"] = "mlp"
-    hidden: list[int] = Field(default_factory=lambda: [64])
+    hidden: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [64], max_length=64,
+                                                       description="widths of the hidden layers")
     activation: Literal["relu", "tanh"] = "tanh"
 
 
@@ -57,6 +58,9 @@ class TabularObjective(TorchObjective):
         n_in = t.x_train.shape[1]
         n_out = t.n_classes if t.task == "classification" else 1
         m = self.cfg.model
+        widths = [n_in, *(m.hidden if m.kind == "mlp" else []), n_out]
+        n_params = sum((a + 1) * b for a, b in zip(widths, widths[1:]))
+        require_memory(4 * n_params, f"an MLP of {n_params:,} parameters", "model.hidden")
         act = nn.ReLU if m.activation == "relu" else nn.Tanh
         layers: list[nn.Module] = []
         width = n_in
@@ -275,6 +279,8 @@ class Quadratic(Objective):
     def setup(self, run):
         p = self.cfg
         dt = DTYPES[p.dtype]
+        require_memory(8 * (p.n + p.n_test + 3) * p.dim, f"the quadratic's data ({p.n:,} + {p.n_test:,} records of "
+                       f"dimension {p.dim:,})", "objective.dim")
         g = torch.Generator().manual_seed(p.seed)
         i = torch.arange(1, p.dim + 1, dtype=dt)
         self.a = {"identity": torch.ones_like(i), "sqrt": i.rsqrt(), "harmonic": 1.0 / i}[p.hessian]

@@ -180,13 +180,17 @@ def resolve_config(path: str, init: str):
     """(config, folder or None): the architecture and, if there is one, a local folder with files."""
     from transformers import AutoConfig
 
-    from dpregistry.hf import resolve_model_dir
+    from dpregistry.hf import require_regular_files, resolve_model_dir
 
     p = Path(path).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
             raise UserError(f"{p} has no config.json; it is not a Hugging Face model folder", key="model.path")
-        return AutoConfig.from_pretrained(p), str(p)
+        require_regular_files(p)
+        try:
+            return AutoConfig.from_pretrained(p), str(p)
+        except (OSError, ValueError) as e:  # not JSON, an unknown model type
+            raise UserError(f"{p}/config.json: {str(e).splitlines()[0][:200]}", key="model.path") from None
     if init == "random" and path in SHIPPED:
         return shipped_config(path), None
     if init == "pretrained" and path in SHIPPED and "/" not in path:

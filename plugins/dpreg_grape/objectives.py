@@ -9,6 +9,7 @@ meta device without them.
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 from typing import Literal
 
@@ -18,21 +19,33 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpregistry import StageParams, UserError
+from dpregistry.files import read_regular, require_regular
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, seeded
 
 CONFIGS = Path(__file__).parent / "configs"
+MAX_CONFIG_BYTES = 10_000_000  # a model configuration is a few kB of JSON
 
 
 def config_dict(name_or_path: str) -> dict:
     """A shipped configuration by name (``vit-base-p4-32``), or a config.json / model folder path."""
     shipped = CONFIGS / f"{name_or_path}.json"
-    p = shipped if shipped.exists() else Path(name_or_path).expanduser()
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.exists():
+    try:
+        p = shipped if shipped.is_file() else Path(name_or_path).expanduser()
+        if p.is_dir():
+            p = p / "config.json"
+        found = p.exists()
+    except OSError:  # a name too long for the file system, ...
+        found = False
+    if not found:
         names = ", ".join(sorted(f.stem for f in CONFIGS.glob("*.json")))
         raise UserError(f"model configuration {name_or_path!r} not found (shipped: {names})", key="model.config")
-    return json.loads(p.read_text())
+    try:
+        config = json.loads(read_regular(p, "model configuration", limit=MAX_CONFIG_BYTES))
+    except (ValueError, UnicodeDecodeError):
+        config = None
+    if not isinstance(config, dict):
+        raise UserError(f"{p} is not a JSON model configuration (an object)", key="model.config")
+    return config
 
 
 def build_from_config(name_or_path: str, *, device=None, dtype=torch.float32, **overrides):
@@ -41,10 +54,15 @@ def build_from_config(name_or_path: str, *, device=None, dtype=torch.float32, **
     import transformers
 
     cfg_dict = dict(config_dict(name_or_path), **overrides)
-    config = transformers.AutoConfig.for_model(**cfg_dict)
-    arch = getattr(transformers, cfg_dict.get("architectures", ["AutoModel"])[0])
-    with torch.device(device or "cpu"):
-        model = arch(config)
+    try:
+        config = transformers.AutoConfig.for_model(**cfg_dict)
+        arch = getattr(transformers, cfg_dict.get("architectures", ["AutoModel"])[0])
+        with torch.device(device or "cpu"):
+            model = arch(config)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        # the configuration is input: a wrong type or an unknown model type is bad input, not a bug
+        raise UserError(f"cannot build a model from configuration {name_or_path!r} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else ''})", key="model.config") from None
     return model.to(dtype) if device != "meta" else model
 
 
@@ -86,6 +104,7 @@ def _cifar10_binary(folder: Path, files: list[str]) -> tuple[np.ndarray, np.ndar
         if not p.exists():
             raise UserError(f"{p} not found (CIFAR-10 binary version: data_batch_1..5.bin, test_batch.bin)",
                             key="data.path")
+        require_regular(p, "data file")  # a FIFO would block, a device never end
         raw = np.fromfile(p, dtype=np.uint8)
         if raw.size % 3073:
             raise UserError(f"{p} is not a CIFAR-10 binary batch (size {raw.size} is not a multiple of 3073)",
@@ -99,8 +118,12 @@ def _cifar10_binary(folder: Path, files: list[str]) -> tuple[np.ndarray, np.ndar
 def _npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if not path.exists():
         raise UserError(f"{path} not found", key="data.path")
-    with np.load(path, allow_pickle=False) as z:
-        x, y = z["x"], z["y"].astype(np.int64)
+    require_regular(path, "data file")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            x, y = z["x"], z["y"].astype(np.int64)
+    except (ValueError, OSError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        raise UserError(f"{path} is not an .npz file with arrays x and y ({type(e).__name__})", key="data.path") from None
     if x.ndim == 4 and x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):
         x = x.transpose(0, 3, 1, 2)  # NHWC -> NCHW
     return np.ascontiguousarray(x), y
@@ -126,6 +149,8 @@ class ImageClassification(TorchObjective):
             xtr, ytr = xtr[:d.max_train], ytr[:d.max_train]
         if d.max_test:
             xte, yte = xte[:d.max_test], yte[:d.max_test]
+        if not len(yte):  # held-out accuracy 0 and loss 0 would read as measured
+            raise UserError("the test data set is empty", key="data.path")
         self.n_train = len(ytr)
         self.x_train, self.y_train = torch.from_numpy(xtr), torch.from_numpy(ytr).to(run.device)
         self.x_test, self.y_test = torch.from_numpy(xte), torch.from_numpy(yte).to(run.device)

@@ -16,7 +16,7 @@ import torch
 from pydantic import Field
 
 from dpregistry import Objective, StageParams
-from dpregistry.objectives import DTYPES
+from dpregistry.objectives import DTYPES, require_memory
 
 
 class PointObjective(Objective):
@@ -34,6 +34,9 @@ class PointObjective(Objective):
         p = self.cfg
         self.dtype = DTYPES[p.dtype]
         self.dim = p.dim
+        n_test = getattr(p, "n_test", 0)
+        require_memory(8 * (p.n + n_test) * p.dim, f"the data ({p.n + n_test:,} records of dimension {p.dim:,})",
+                       "objective.dim")
         g = torch.Generator().manual_seed(p.seed)
         self.build(g)
         self.n_train = p.n
