@@ -169,11 +169,14 @@ class Run:
         # Each rank loads the recipe itself (on several nodes, from its own copy): a rank with another
         # clip would add an unaccounted-for sum to the all-reduce, and the ranks would not even drift.
         mine = (self.recipe.hash, self.rng.noise_mode, self.rng.noise_fingerprint)
-        first = self.comm.broadcast_object(mine)
+        first = self.comm.broadcast_object(mine + (self.recipe.data,))
         if self.comm.any_flag(first[0] != mine[0]):
-            raise UserError(f"the ranks resolved different recipes (rank {self.comm.rank}: "
-                            f"{'another recipe' if first[0] != mine[0] else 'as rank 0'}); give every rank the same "
-                            f"recipe file and --set options", file=self.recipe.source)
+            key = _first_difference(first[3], self.recipe.data)
+            where = {"file": self.recipe.source, **(self.recipe.where(*key.split(".")) if key else {})}
+            what = f"{key} differs from rank 0's" if key else "another recipe" if first[0] != mine[0] else "as rank 0"
+            raise UserError(f"the ranks resolved different recipes (rank {self.comm.rank}: {what}); give every "
+                            f"rank the same recipe file and --set options", **where)
+        first = first[:3]
         differs = first != mine
         if self.comm.any_flag(differs):
             raise UserError(f"the ranks do not share one DPREG_NOISE_KEY (rank {self.comm.rank}: "
@@ -595,6 +598,19 @@ def _locate(e: UserError, recipe: Recipe, section: str | None) -> UserError:
         w = recipe.where(section)
         e.file, e.line = w.get("file", recipe.source), w.get("line")
     return e
+
+
+def _first_difference(a: Any, b: Any, path: tuple = ()) -> str | None:
+    """The first key path (``privatizer.clip``) at which two resolved recipes differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b:
+                return ".".join(path + (k,))
+            found = _first_difference(a[k], b[k], path + (k,))
+            if found:
+                return found
+        return None
+    return None if a == b else ".".join(path) or None
 
 
 def _key(recipe: Recipe, *path: str) -> dict[str, Any]:
