@@ -99,6 +99,10 @@ def user_errors():
         yield
     except UserError as e:
         fail(e)
+    except OSError as e:  # a path from the command line the file system refuses (a name too long, ...)
+        if e.filename is None:
+            raise
+        fail(UserError(f"cannot use this path ({e.strerror or e})", file=str(e.filename)))
 
 
 def recipes_dirs() -> list[Path]:
@@ -109,12 +113,15 @@ def recipes_dirs() -> list[Path]:
 def find_recipe(name: str) -> Path:
     """A recipe path, or the name of a recipe shipped with dpregistry (``quickstart``)."""
     p = Path(name)
-    if p.exists() or p.suffix in (".yaml", ".yml") and p.parent != Path("."):
-        return p
-    for d in recipes_dirs():
-        for cand in (d / name, d / f"{name}.yaml"):
-            if cand.exists():
-                return cand
+    try:
+        if p.exists() or p.suffix in (".yaml", ".yml") and p.parent != Path("."):
+            return p
+        for d in recipes_dirs():
+            for cand in (d / name, d / f"{name}.yaml"):
+                if cand.exists():
+                    return cand
+    except OSError:  # a name too long to be a file: reading it says so
+        pass
     return p
 
 
@@ -220,6 +227,12 @@ def prepare_out(out: Optional[Path], recipe_path: str, overwrite: bool) -> Path:
     if out is None:
         stem = Path(recipe_path).stem
         out = Path("runs") / f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    try:
+        os.lstat(out)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a name too long, a parent that is a file, ...
+        raise UserError(f"cannot use the output folder ({e.strerror or e})", file=str(out)) from None
     if out.exists() and not out.is_dir():
         raise UserError("--out exists and is not a folder", file=str(out))
     if out.is_dir():
@@ -256,12 +269,18 @@ def _claim(out: Path, overwrite: bool) -> None:
 def _writable(out: Path) -> None:
     from .checkpoint import temp_path
 
+    made = [p for p in (out, *out.parents) if not os.path.lexists(p)]  # what mkdir will create
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = temp_path(out / "probe")
         probe.write_text("")
         probe.unlink()
     except OSError as e:
+        for p in made:  # a refused folder leaves nothing behind (`runs/` of a name too long)
+            try:
+                p.rmdir()
+            except OSError:
+                pass
         raise UserError(f"cannot write to the output folder ({e.strerror or e})", file=str(out)) from None
 
 
