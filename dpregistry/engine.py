@@ -157,6 +157,12 @@ class Run:
         except OSError as e:  # preparing only reads: a data or model path the recipe names (too long, ...)
             name = f" {e.filename}" if e.filename else ""
             raise _locate(UserError(f"cannot read{name} ({e.strerror or e})"), self.recipe, self._section) from None
+        except (ArithmeticError, ValueError) as e:
+            if not isinstance(e, ArithmeticError) and str(e) != "math domain error":
+                raise
+            # a stage's theory constants from absurd recipe numbers (stat_tol: 1e300 overflowed β³)
+            raise _locate(UserError(f"a number of the recipe is out of range: computing with it failed "
+                                    f"({type(e).__name__}: {e})"), self.recipe, self._section) from None
         return self
 
     def _check_ranks_share_the_noise_key(self) -> None:

@@ -389,7 +389,7 @@ def _gaussian_std(std: float, sensitivity: float, discretization: float) -> floa
         return None
     points = (20 / z + 1 / (z * z)) / discretization
     if points > MAX_PLD_POINTS:
-        raise _too_large(points, f"a release at noise multiplier {z:.3g} (discretization {discretization:g})")
+        raise _too_large(points, f"a release of σ/Δ = {z:.3g} (at discretization {discretization:g})")
     return z * sensitivity if z < std / sensitivity else std  # clamped at Z_MAX, else as given
 
 

@@ -22,7 +22,7 @@ run's noise key) where the privatizer relies on a high-probability bound and cha
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field
@@ -53,7 +53,7 @@ class OracleParams(StageParams):
     privacy_mode: Literal["paper", "clip"] = Field(
         default="paper", description="paper: trust L (and high-probability bounds, charged as δ_fail); "
                                      "clip: enforce every bound by clipping (deterministic sensitivity)")
-    delta_fail: float | Literal["auto"] = Field(
+    delta_fail: Annotated[float, Field(ge=0, lt=1)] | Literal["auto"] = Field(
         default=0.0, description="per-use failure probability γ of the concentration bounds (0: worst-case bounds)")
 
 
