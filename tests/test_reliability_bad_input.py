@@ -22,7 +22,10 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from conftest import RECIPES
 from test_core_cli import dpreg
+
+KLT = RECIPES / "klt_mp_zo_erm_ring.yaml"  # an O2NC algorithm whose settings come from theory
 
 # Line numbers below refer to this text.
 BASE = """\
@@ -353,6 +356,11 @@ CASES: dict[str, Case] = {
                                              files={"parent.yaml": BASE.replace("clip: 1.0", "clip: 0")},
                                              edit=("privatizer: {clip: 1.0, noise_multiplier: 1.5}\n", ""),
                                              where=r"parent\.yaml:8: privatizer\.clip: "),
+    "delta_fail is a probability": Case(recipe=f"extends: {KLT}\nestimator: {{delta_fail: 100}}\n",
+                                        where=R + ":2: estimator.delta_fail: ", says="less than 1"),
+    "theory constants that overflow": Case(recipe=f"extends: {KLT}\nalgorithm: {{stat_tol: 3.0e+299}}\n"
+                                                  "privatizer: {noise_multiplier: 3}\n",
+                                           where=R + ":2: algorithm: ", says="out of range"),
     "a resolved recipe too large for a checkpoint header": Case(recipe="extends: p1.yaml\n", files=CHAIN,
                                                                 where=R + ": ", says="could never be resumed"),
     "calibrate with an unknown accountant": Case(args=["privacy", "calibrate", "--epsilon", "1", "--delta", "1e-5",
