@@ -114,8 +114,7 @@ def _kl_state_at(run, s: int) -> None:
 SAMPLERS = {"poisson": {"name": "poisson", "batch_size": 256},
             "uniform": {"name": "uniform", "batch_size": 256},
             "full_batch": {"name": "full_batch"},
-            "shuffle": {"name": "shuffle", "batch_size": 256},  # 5 batches an epoch of 1,437 records
-            "shuffle_heuristic": {"name": "shuffle", "batch_size": 256, "accounting": "poisson_heuristic"}}
+            "shuffle": {"name": "shuffle", "batch_size": 256}}  # 5 batches an epoch of 1,437 records
 
 
 @pytest.mark.parametrize("sampler", sorted(SAMPLERS))

@@ -150,9 +150,7 @@ class ShuffleSampler(Sampler):
         return [Charge(e, count=n) for e, n in missing.items()]
 
     def account_steps(self, steps, events, run):
-        if self.cfg.accounting == "poisson_heuristic":
-            return _every_step_alike(self, steps, events, run)
-        # exact: each epoch start in the range, and the current step if it is not one
+        # each epoch start in the range, and the current step if it is not one
         out = repeat([Charge(e) for e in events], multiples_in(steps, self.per_epoch))
         if run.step in steps and run.step % self.per_epoch:
             out += self.account(run.step, events, run)
