@@ -64,8 +64,9 @@ def resolve_model_dir(path: str, *, need_weights: bool = True) -> str:
 
 
 def require_regular_files(folder: str | Path) -> None:
-    """Refuse a model folder with a file that is not a regular one. transformers opens the files of a model folder by name: a FIFO among them would block the
-    run, a device would never end (links are followed: a hub cache links to its blobs)."""
+    """Refuse a model folder with a file that is not a regular one: transformers opens its files by
+    name, and a FIFO among them would block the run, a device never end (links are followed: a hub
+    cache links to its blobs)."""
     try:
         for f in Path(folder).iterdir():
             if not (f.is_file() or f.is_dir()):

@@ -308,9 +308,11 @@ CASES: dict[str, Case] = {
     "noise multiplier of 1e-320": Case(edit=("noise_multiplier: 1.5", "noise_multiplier: 1.0e-320"),
                                        where=R + ":11: privacy: ", says="spends ε = inf"),
     "noise multiplier of 1e-170 under zcdp": Case(edit=("noise_multiplier: 1.5", "noise_multiplier: 1.0e-170"),
-                                                  sets=["accountant=zcdp"], where=R + ":11: privacy: ", says="ρ = inf"),
+                                                  sets=["accountant=zcdp"], where=R + ":11: privacy: ",
+                                                  says="ρ = inf"),
     "calibrate to an infinite ε": Case(args=["privacy", "calibrate", "--epsilon", "inf", "--delta", "1e-5",
-                                             "--steps", "10", "--sample-rate", "0.1"], says="--epsilon must be positive and finite"),
+                                             "--steps", "10", "--sample-rate", "0.1"],
+                                       says="--epsilon must be positive and finite"),
     "calibrate to an ε that underflows": Case(args=["privacy", "calibrate", "--epsilon", "1e-300", "--delta", "1e-5",
                                                     "--steps", "10", "--sample-rate", "0.1", "--accountant", "zcdp"],
                                               says="no noise multiplier"),
@@ -435,7 +437,8 @@ def _cost(args: list[str], cwd: Path) -> tuple[float, float, subprocess.Complete
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
-        return seconds, usage.ru_maxrss / 1024, subprocess.CompletedProcess(args, proc.returncode, out.read(), err.read())
+        result = subprocess.CompletedProcess(args, proc.returncode, out.read(), err.read())
+        return seconds, usage.ru_maxrss / 1024, result
 
 
 PLD = BASE.replace("accountant: rdp", "accountant: pld")

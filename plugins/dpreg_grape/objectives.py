@@ -123,7 +123,8 @@ def _npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
         with np.load(path, allow_pickle=False) as z:
             x, y = z["x"], z["y"].astype(np.int64)
     except (ValueError, OSError, KeyError, TypeError, zipfile.BadZipFile) as e:
-        raise UserError(f"{path} is not an .npz file with arrays x and y ({type(e).__name__})", key="data.path") from None
+        raise UserError(f"{path} is not an .npz file with arrays x and y ({type(e).__name__})",
+                        key="data.path") from None
     if x.ndim == 4 and x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):
         x = x.transpose(0, 3, 1, 2)  # NHWC -> NCHW
     return np.ascontiguousarray(x), y
