@@ -663,7 +663,7 @@ def privacy_epsilon(noise_multiplier: Annotated[float, typer.Option("--noise-mul
 
 
 def _check_ranges(epsilon=None, delta=None, steps=None, sample_rate=None, relation=None):
-    from .recipe import MAX_STEPS
+    from .limits import MAX_STEPS
 
     if epsilon is not None and not 0 < epsilon < math.inf:
         raise UserError("--epsilon must be positive and finite")

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .errors import UserError
 from .files import read_regular
+from .limits import MAX_DEPTH, MAX_EXTENDS, MAX_RECIPE_BYTES, MAX_STEPS, MAX_VALUES
 from .registry import Entry, Registry
 from .spaces import DENSE, VECTOR_ZO
 from .stages import NoBooleanNumbers
@@ -52,16 +53,6 @@ Loc = tuple[str, int | None]  # (file, line)
 
 # YAML 1.1 (PyYAML) reads 1e-5 as a string; recipes mean a float.
 _FLOAT = re.compile(r"^[-+]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$")
-
-
-#: Limits that keep the work and memory of loading any recipe bounded (README, "Reliability and
-#: security"). The file is read no further than MAX_RECIPE_BYTES; aliases are expanded no further
-#: than MAX_VALUES keys and values or MAX_RECIPE_BYTES characters (an alias bomb of nine levels
-#: would otherwise expand a few hundred bytes into 10^9 values); nesting stops at MAX_DEPTH.
-MAX_RECIPE_BYTES = 1_000_000
-MAX_VALUES = 100_000
-MAX_DEPTH = 32
-MAX_EXTENDS = 16  # recipes in one chain of `extends:`
 
 
 class _Loader(yaml.SafeLoader):
@@ -340,11 +331,6 @@ class PrivacySection(_Strict):
             raise ValueError("privacy.epsilon needs privacy.delta (an (ε, δ) budget); without δ it would not be "
                              "enforced")
         return self
-
-
-#: the most steps a run may plan (plans are computed in closed form; the limit keeps every count,
-#: and the time it states, meaningful)
-MAX_STEPS = 10**9
 
 
 class TrainSection(_Strict):

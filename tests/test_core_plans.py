@@ -171,7 +171,8 @@ def test_a_run_of_a_billion_steps_is_planned_in_no_time(name):
 
 def test_steps_beyond_the_limit_are_refused_by_the_schema(tmp_path):
     from dpregistry.errors import UserError
-    from dpregistry.recipe import MAX_STEPS, load
+    from dpregistry.limits import MAX_STEPS
+    from dpregistry.recipe import load
 
     with pytest.raises(UserError, match="less than or equal to 1000000000") as e:
         load(RECIPES / "quickstart.yaml", [f"train.steps={MAX_STEPS + 1}"])
