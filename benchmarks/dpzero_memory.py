@@ -113,7 +113,7 @@ def child(args) -> dict:
     import torch
     import yaml
 
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
     from dpregistry.recipe import load
 
     cuda = args.device.startswith("cuda")
@@ -122,7 +122,7 @@ def child(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "r.yaml"
         path.write_text(yaml.safe_dump(_recipe(args, algorithm)))
-        run = Run(load(path), None).prepare()
+        run = Run(load(path)).prepare()
     obj = run.objective
     idx = run.sampler.indices(0, run)
     n_params = sum(p.numel() for p in run.params.values())

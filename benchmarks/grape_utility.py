@@ -32,7 +32,7 @@ def one(method: str, data: str, steps: int | None, batch: int | None, out: Path)
     import torch
 
     torch.set_num_threads(int(os.environ.get("GRAPE_BENCH_THREADS", "1")))
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
     from dpregistry.recipe import load
 
     recipe = RECIPES.get(method, RECIPES["dp_adam"])
@@ -41,7 +41,7 @@ def one(method: str, data: str, steps: int | None, batch: int | None, out: Path)
         sets.append(f"train.steps={steps}")
     if batch:
         sets.append(f"sampler.batch_size={batch}")
-    run = Run(load(REPO / "recipes" / recipe, sets), None).prepare()
+    run = Run(load(REPO / "recipes" / recipe, sets)).prepare()
     t0 = time.time()
     if method == "zero_shot":
         res = {"accuracy": run.objective.evaluate()["accuracy"], "epsilon": 0.0, "steps": 0}

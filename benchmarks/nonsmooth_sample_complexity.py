@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dpregistry.engine import Run
+from dpregistry.run import Run
 from dpregistry.recipe import resolve
 from dpregistry.registry import get_registry
 
@@ -61,7 +61,7 @@ def build(method: str, d: int, n: int, seed: int, eps: float, delta: float, alph
         data["estimator"]["dirs_per_sample"] = "theory"
         data["estimator"]["delta_fail"] = "auto"
         data["algorithm"]["max_dirs"] = 10 ** 12  # only to read the theorem's m
-        probe_run = Run(resolve(data, {}, reg), None)
+        probe_run = Run(resolve(data, {}, reg))
         probe_run.objective.setup(probe_run)
         probe_run.params = probe_run.objective.params()
         probe_run.algorithm.setup(probe_run)
@@ -69,7 +69,7 @@ def build(method: str, d: int, n: int, seed: int, eps: float, delta: float, alph
         info["m_theory"] = m_theory
         data["estimator"]["dirs_per_sample"] = min(m_theory, max_dirs)
         del data["algorithm"]["max_dirs"]
-    run = Run(resolve(data, {}, reg), None).prepare()
+    run = Run(resolve(data, {}, reg)).prepare()
     info["m"] = getattr(run.estimator, "m", None)
     return run, info
 

@@ -55,13 +55,13 @@ def dp_adam_step(steps: int, data: str) -> None:
     """Two prepared runs of the shipped MiniLM DP-Adam recipe, one per noise mode; their steps
     alternate, and each pair's ratio is secure ÷ reproducible."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
     from dpregistry.recipe import load
 
     def make(mode):
         sets = [f"data.path={data}", f"privacy.noise={mode}", "train.eval_every=null",
                 "train.checkpoint_every=null", f"train.steps={steps + 1}"]
-        return Run(load(REPO / "recipes" / "minilm_sst2_dp_adam.yaml", sets), None).prepare()
+        return Run(load(REPO / "recipes" / "minilm_sst2_dp_adam.yaml", sets)).prepare()
 
     runs = {m: make(m) for m in ("reproducible", "secure")}
 

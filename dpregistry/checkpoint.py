@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import struct
 import sys
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from . import files
 from .errors import UserError
 
 META_KEY = "dpregistry"
@@ -76,36 +76,6 @@ def join_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 # -- files -------------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def temp_path(path: Path) -> Path:
-    """Where :func:`write_atomic` writes ``path`` before renaming it (hidden, per process)."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-TEMP = re.compile(r"^\..+\.tmp(-\d+)?$")
-
-
-def remove_stale_temps(folder: Path) -> list[Path]:
-    """Delete temporary files that a killed writer left in ``folder`` (call it holding the run lock)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    stale = [p for p in folder.iterdir() if TEMP.match(p.name) and p.is_file()]
-    for p in stale:
-        p.unlink(missing_ok=True)
-    return stale
-
-
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
               torch.bool: "BOOL"}
@@ -141,22 +111,10 @@ def write_safetensors(f, tensors: dict[str, torch.Tensor], metadata: dict[str, s
 
 
 def write_atomic(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """Write to a temporary file in the same folder, fsync, rename, fsync the folder."""
-    path = Path(path)
+    """Write a checksummed safetensors file atomically (see :func:`dpregistry.files.write_atomic`)."""
     meta = json.loads(json.dumps(meta))  # exactly what a reader will see (tuples become lists)
     meta["checksum"] = tensor_digest(tensors, meta)
-    tmp = temp_path(path)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            write_safetensors(f, tensors, {META_KEY: json.dumps(meta, sort_keys=True)})
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    files.write_atomic(Path(path), lambda f: write_safetensors(f, tensors, {META_KEY: json.dumps(meta, sort_keys=True)}))
 
 
 def read(path: Path, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

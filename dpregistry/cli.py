@@ -7,16 +7,12 @@ final checkpoint.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import shutil
-import socket
 import sys
 import time
 from contextlib import ExitStack, contextmanager
-from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -27,12 +23,6 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from .errors import UserError
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not POSIX: the lock record names the owner, nothing enforces it
-    fcntl = None
-
 
 # click's exceptions, from whichever click typer uses (recent typer vendors its own copy)
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -132,159 +122,6 @@ def load_recipe(path: str, sets):
 
 
 # ------------------------------------------------------------------------------------------
-# output folder
-# ------------------------------------------------------------------------------------------
-
-
-LOCK = ".lock"
-
-
-def _lock_info(path: Path) -> dict:
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
-def _busy(out: Path, info: dict) -> UserError:
-    host = info.get("host")
-    on = f" on {host}" if host and host != socket.gethostname() else ""
-    return UserError(f"another run (pid {info.get('pid', '?')}{on}, started {info.get('started', '?')}) is using "
-                     f"this folder; wait for it to finish or stop it first", file=str(out))
-
-
-def lock_holder(out: Path) -> dict | None:
-    """The lock record of the live process that holds ``out``, or None.
-
-    The lock is an flock on ``out/.lock``: the kernel releases it when its process dies, even by
-    SIGKILL, so a lock file left behind by a killed run never blocks the folder."""
-    path = Path(out) / LOCK
-    if fcntl is None:  # pragma: no cover
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return _lock_info(path) or {}
-    except OSError:  # a file system without locks
-        os.close(fd)
-        return None
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    os.close(fd)
-    return None
-
-
-@contextmanager
-def run_lock(out: Path):
-    """Hold ``out/.lock`` (an flock naming this process) while a run writes the folder."""
-    path = Path(out) / LOCK
-    try:
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            if fcntl is None:  # pragma: no cover
-                break
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise _busy(out, _lock_info(path)) from None
-            except OSError as e:
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                    raise
-                break  # a file system without locks: the record still names the owner
-            try:  # the previous holder may have unlinked the file between our open and flock
-                if os.path.samestat(os.fstat(fd), os.stat(path)):
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                             "started": datetime.now().isoformat(timespec="seconds")})
-        os.ftruncate(fd, 0)
-        os.write(fd, record.encode())
-    except OSError as e:
-        raise UserError(f"cannot write to the output folder ({e.strerror or e})", file=str(out)) from None
-    try:
-        yield
-    finally:
-        path.unlink(missing_ok=True)  # before unlocking: a waiter that opened it sees a stale inode
-        os.close(fd)
-
-
-def _leftover(p: Path) -> bool:
-    """Files a run that was killed before it started may leave: a free lock, temporary files."""
-    from .checkpoint import TEMP
-
-    return p.is_file() and (p.name == LOCK or bool(TEMP.match(p.name)))
-
-
-def prepare_out(out: Optional[Path], recipe_path: str, overwrite: bool) -> Path:
-    if out is None:
-        stem = Path(recipe_path).stem
-        out = Path("runs") / f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    try:
-        os.lstat(out)
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # a name too long, a parent that is a file, ...
-        raise UserError(f"cannot use the output folder ({e.strerror or e})", file=str(out)) from None
-    if out.exists() and not out.is_dir():
-        raise UserError("--out exists and is not a folder", file=str(out))
-    if out.is_dir():
-        holder = lock_holder(out)
-        if holder is not None:
-            raise _busy(out, holder)
-        try:
-            entries = list(out.iterdir())
-        except OSError as e:
-            raise UserError(f"cannot read the output folder ({e.strerror or e})", file=str(out)) from None
-        _refuse_nonempty(out, entries, overwrite)
-    return out
-
-
-def _refuse_nonempty(out: Path, entries: list[Path], overwrite: bool) -> None:
-    if not all(_leftover(p) for p in entries) and not overwrite:
-        hint = "`dpreg resume` it" if (out / "recipe.json").exists() else "choose another folder"
-        raise UserError(f"the output folder is not empty; pass --overwrite to replace what it holds, or {hint}",
-                        file=str(out))
-
-
-def _claim(out: Path, overwrite: bool) -> None:
-    """Under the run lock, check the folder again (another run may have taken it while this one
-    prepared) and only then clear it for --overwrite, keeping the lock file that this run holds."""
-    entries = [p for p in out.iterdir() if p.name != LOCK]
-    _refuse_nonempty(out, entries, overwrite)
-    for p in entries:
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
-
-
-def _writable(out: Path) -> None:
-    from .checkpoint import temp_path
-
-    made = [p for p in (out, *out.parents) if not os.path.lexists(p)]  # what mkdir will create
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = temp_path(out / "probe")
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        for p in made:  # a refused folder leaves nothing behind (`runs/` of a name too long)
-            try:
-                p.rmdir()
-            except OSError:
-                pass
-        raise UserError(f"cannot write to the output folder ({e.strerror or e})", file=str(out)) from None
-
-
-# ------------------------------------------------------------------------------------------
 # training
 # ------------------------------------------------------------------------------------------
 
@@ -378,7 +215,8 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
         quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
         nproc: Annotated[int, typer.Option("--nproc", help="data-parallel processes on this node (torchrun)")] = 1):
     """Train privately with RECIPE; writes metrics.jsonl, summary.json and checkpoints/ under --out."""
-    from .engine import Run, start_run
+    from .folder import check_out, claim, default_out, start_run
+    from .run import Run
 
     if nproc < 1:
         fail(UserError("--nproc must be at least 1"))
@@ -389,16 +227,11 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
         comm = _comm()
         rank0 = comm is None or comm.rank == 0
         r = load_recipe(recipe, set_)
-        out_dir = _on_rank0_for_all(comm, lambda: prepare_out(out, recipe, overwrite))
+        out_dir = _on_rank0_for_all(comm, lambda: check_out(out or default_out(recipe), overwrite))
         # Everything that can fail on bad input happens before the folder is touched.
-        prepared = Run(r, None, comm=comm).prepare()
+        prepared = Run(r, comm=comm).prepare()
         with ExitStack() as held:
-            def claim():
-                _writable(out_dir)
-                held.enter_context(run_lock(out_dir))
-                _claim(out_dir, overwrite)
-
-            _on_rank0_for_all(comm, claim)
+            _on_rank0_for_all(comm, lambda: claim(out_dir, overwrite, held))
             run_ = start_run(prepared, out_dir)
             summary = _train(run_, quiet or not rank0)
         _leave(comm)
@@ -445,7 +278,8 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
            max_nonfinite_steps: Annotated[Optional[int], typer.Option(
                "--max-nonfinite-steps", min=0, help="raise train.max_nonfinite_steps of a run stopped at it")] = None):
     """Continue a run from its newest valid checkpoint (the privacy ledger continues too)."""
-    from .engine import not_a_run_folder, resume_run
+    from .folder import not_a_run_folder, resume_run, run_lock
+    from .loop import finish
 
     _quiet_libraries()
     with user_errors():
@@ -462,10 +296,10 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
             _on_rank0_for_all(comm, lock)
             r = resume_run(run_dir, comm=comm, warn=lambda m: err.print(escape(m), style="yellow") if rank0 else None,
                            max_nonfinite_steps=max_nonfinite_steps)
-            if r.algorithm.done(r):
+            if r.algorithm.done(r.ctx):
                 if rank0:
                     console.print(f"the run already finished at step {r.step}")
-                summary = r.finish(time.time())
+                summary = finish(r, time.time())
             else:
                 summary = _train(r, quiet or not rank0)
         _leave(comm)
@@ -498,16 +332,15 @@ def report(run_dir: Annotated[Path, typer.Argument(help="folder of a run (finish
 @app.command()
 def validate(recipe: str, set_: SetOpt = None):
     """Check a recipe (schema, stages, data and model paths, budget) without training."""
-    from .engine import Run
+    from .run import Run
 
     _quiet_libraries()
     with user_errors():
         r = load_recipe(recipe, set_)
-        run_ = Run(r, None).prepare()
-    eps = run_.accountant.epsilon(extra=run_.algorithm.plan(run_, run_.privatizer.noise_multiplier)) \
-        if run_.budget.delta and getattr(run_.privatizer, "noise_multiplier", None) is not None \
-        and not run_.algorithm.adaptive else None
-    z = getattr(run_.privatizer, "noise_multiplier", None)
+        run_ = Run(r).prepare()
+    z = run_.privatizer.noise_multiplier
+    eps = run_.accountant.epsilon(extra=run_.plan()) \
+        if run_.budget.delta and z is not None and not run_.algorithm.adaptive else None
     msg = f"ok: {recipe}"
     if z is not None:
         msg += f" (noise multiplier {z:.4g}"

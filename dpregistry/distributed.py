@@ -1,8 +1,8 @@
 """Data-parallel private training on torch.distributed (gloo on CPU, NCCL on GPU).
 
-Every rank holds the model and the same public seeds, so it regenerates the same sampled batch,
-the same direction or projector, and the same noise (the secret noise key is derived identically
-on every rank; in secure mode rank 0 draws the noise and broadcasts it). A step's batch is cut into
+Every rank holds the model, the same public seeds and the same secret key (a secure run's key is
+drawn by rank 0 and sent to the others once, when the run starts), so it regenerates the same
+sampled batch, the same direction or projector, and the same noise. A step's batch is cut into
 micro-batch-sized chunks dealt round-robin to the ranks; each rank evaluates its chunks and:
 
 * zeroth-order estimators send only their per-example scalars (all-gather, O(B) bytes): every
@@ -25,6 +25,37 @@ import torch
 import torch.distributed as dist
 
 from .stages import ClippedSum
+
+
+class LocalComm:
+    """Single-process communication: the whole batch is local and every collective is the identity."""
+
+    rank = 0
+    world_size = 1
+    bytes_sent = 0
+    micro_batch = None
+    positions = None  # the whole batch is local
+
+    def shard(self, indices: torch.Tensor) -> torch.Tensor:
+        return indices
+
+    def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        return local
+
+    def all_reduce(self, total: ClippedSum) -> ClippedSum:
+        return total
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast_object(self, obj, src: int = 0):
+        return obj
+
+    def check_replicas(self, params, step) -> None:
+        pass
+
+    def any_flag(self, flag: bool) -> bool:
+        return flag
 
 
 def launched_by_torchrun() -> bool:

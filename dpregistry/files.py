@@ -1,17 +1,22 @@
-"""Files named by input (recipes, data files, model folders): regular files only.
+"""Files: reading what input names (regular files only), and writing atomically.
 
 Opening a FIFO blocks until a writer comes, and /dev/zero or /dev/urandom never end: a path in a
 recipe could hang a command or fill its memory. Every file opened for input is therefore checked
 to be a regular file first, and the check itself never blocks (the file is opened with
 O_NONBLOCK and inspected with fstat, so it is the same file that is then read).
+
+Every file a run writes (checkpoints, the model, recipe.json, summary.json, a rewritten
+metrics.jsonl) goes through :func:`write_atomic`: a temporary file in the same folder, fsync,
+rename, fsync of the folder, so a kill at any moment leaves the old file or the new one.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 from .errors import UserError
 
@@ -82,3 +87,59 @@ def read_regular(path: str | Path, what: str = "file", *, limit: int | None = No
 
 def _too_large(path, what: str, limit: int) -> UserError:
     return UserError(f"the {what} is larger than {limit:,} bytes", file=str(path))
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+TEMP = re.compile(r"^\..+\.tmp(-\d+)?$")
+
+
+def temp_path(path: Path) -> Path:
+    """Where :func:`write_atomic` writes ``path`` before renaming it (hidden, per process)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder by path (a missing one is skipped)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` with ``write(f)`` on a temporary file, fsync it, rename it over ``path`` and
+    fsync the folder. An OSError (a full disk, a read-only folder) leaves ``path`` as it was."""
+    path = Path(path)
+    tmp = temp_path(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_atomic(path, lambda f: f.write(text.encode()))
+
+
+def remove_stale_temps(folder: Path) -> list[Path]:
+    """Delete temporary files that a killed writer left in ``folder`` (call it holding the run lock)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    stale = [p for p in folder.iterdir() if TEMP.match(p.name) and p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale

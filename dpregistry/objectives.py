@@ -57,7 +57,7 @@ def seeded(seed: int):
 class TorchObjective(Objective):
     """An objective whose parameters belong to ``self.model``.
 
-    Subclasses build ``self.model`` in ``build(run)`` and implement ``batch_losses(indices)``
+    Subclasses build ``self.model`` in ``build(ctx)`` and implement ``batch_losses(indices)``
     (per-example losses of training records) and ``evaluate()``. The model runs in eval mode (no
     dropout), so a forward pass is a deterministic function of the parameters: two zeroth-order
     evaluations see the same network, and a resume is bit-exact.
@@ -65,15 +65,15 @@ class TorchObjective(Objective):
 
     model: torch.nn.Module
 
-    def build(self, run) -> None:
+    def build(self, ctx) -> None:
         raise NotImplementedError
 
     def batch_losses(self, indices: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def setup(self, run) -> None:
-        self.run = run
-        self.build(run)  # resolves model and data paths before it places anything on run.device
+    def setup(self, ctx) -> None:
+        self.ctx = ctx
+        self.build(ctx)  # resolves model and data paths before it places anything on ctx.device
         check_forward_is_pure(self.model)  # every estimator runs forward passes on private data
         self.model.eval()
         trainable: Trainable = getattr(self.cfg, "trainable", None) or Trainable()
@@ -86,7 +86,7 @@ class TorchObjective(Objective):
 
     @property
     def device(self):
-        return self.run.device
+        return self.ctx.device
 
     def params(self):
         return self._params
@@ -95,7 +95,7 @@ class TorchObjective(Objective):
         return self.model
 
     def losses(self, indices: torch.Tensor) -> torch.Tensor:
-        mb = self.run.recipe.train.micro_batch_size if getattr(self, "run", None) else None
+        mb = self.ctx.micro_batch_size
         if torch.is_grad_enabled() or not mb or len(indices) <= mb:
             return self.batch_losses(indices)
         return torch.cat([self.batch_losses(indices[i:i + mb]) for i in range(0, len(indices), mb)])

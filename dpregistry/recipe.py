@@ -371,6 +371,36 @@ class Recipe:
     def where(self, *path: str) -> dict[str, Any]:
         return _where(self.locs, path)
 
+    def error(self, message: str, *path: str) -> UserError:
+        """A UserError at the recipe's key ``path`` (its file and line when the recipe wrote it)."""
+        w = self.where(*path) if path else {}
+        return UserError(message, file=w.get("file", self.source), line=w.get("line"), key=w.get("key"))
+
+    def locate(self, e: UserError, section: str | None) -> UserError:
+        """Give a stage's UserError the recipe's file and the line of its key (stages know only keys,
+        often relative to their own section: ``model.path`` of the objective)."""
+        if e.file is not None:
+            return e
+        e.file = self.source
+        parts = tuple(e.key.split(".")) if e.key else ()
+        candidates = [parts] if parts else []
+        if section and parts and parts[:1] != (section,):
+            candidates.insert(0, (section,) + parts)  # `model.path` of the objective: objective.model.path
+        for path in candidates:
+            if path and path in self.locs:
+                e.key, (e.file, e.line) = ".".join(path), self.locs[path]
+                return e
+        for path in candidates:  # the nearest enclosing key that the recipe wrote (or --set)
+            w = self.where(*path)
+            if "file" in w:
+                e.key, e.file, e.line = ".".join(path), w["file"], w["line"]
+                return e
+        if not parts and section:
+            e.key = section
+            w = self.where(section)
+            e.file, e.line = w.get("file", self.source), w.get("line")
+        return e
+
 
 def recipe_hash(data: dict[str, Any]) -> str:
     d = copy.deepcopy(data)

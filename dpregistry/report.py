@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from . import checkpoint as ckpt
 from .errors import UserError
+from . import files
 from .files import read_regular, require_regular
 from .privacy.accountant import Accountant, Ledger, make_accountant
 from .privacy.events import PrivacyEvent
@@ -21,7 +21,7 @@ MAX_JSON_BYTES = 100_000_000  # summary.json and recipe.json are kilobytes (a re
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The rows of ``metrics.jsonl`` (a row torn by a kill mid-write is skipped)."""
-    from .engine import read_rows
+    from .folder import read_rows
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
@@ -67,12 +67,9 @@ def _figure(series: list[Series], title: str, limits: dict[str, float] | None = 
 def _save(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    tmp = ckpt.temp_path(Path(path))
     try:
-        fig.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, path)
+        files.write_atomic(Path(path), lambda f: fig.savefig(f, dpi=110, format="png"))
     finally:
-        tmp.unlink(missing_ok=True)
         plt.close(fig)
 
 
@@ -248,11 +245,9 @@ def write_report(run_dir: Path) -> list[Path]:
         lines.append(f"- {k}: {', '.join(v) if isinstance(v, list) else v}")
     if summary.get("wall_seconds") is not None:
         lines.append(f"- wall time: {summary['wall_seconds']:.1f} s")
-    from .engine import _write_text
-
     md = out / "report.md"
     try:
-        _write_text(md, "\n".join(lines) + "\n")
+        files.write_text_atomic(md, "\n".join(lines) + "\n")
     except OSError as e:
         raise UserError(f"cannot write the report ({e.strerror or e})", file=str(out)) from None
     return [md] + written

@@ -2,19 +2,24 @@
 
 One private step, for every algorithm (DESIGN.md)::
 
-    idx      = sampler.indices(step, run)                       # public or private sampling
-    for contrib in estimator.contributions(objective, idx, run):  # per-example, in a SPACE
+    idx      = sampler.indices(ctx)                             # public or private sampling
+    for contrib in estimator.contributions(objective, idx, ctx):  # per-example, in a SPACE
         total += privatizer.clip_sum(contrib)                   # local: clip each example, sum
-    total    = run.comm.all_reduce(total)                       # ranks add up clipped sums
-    release  = privatizer.release(total, run)                   # noise once -> Release + events
+    total    = ctx.comm.all_reduce(total)                       # ranks add up clipped sums
+    release  = privatizer.release(total, ctx)                   # noise once -> Release + events
     run.charge(release.events)                                  # accountant (or filter) may refuse
-    update_rule.apply(run.params, release, run)                 # lift the space to parameters
+    update_rule.apply(ctx.params, release, ctx)                 # lift the space to parameters
 
-The :class:`Algorithm` owns this loop, so algorithms with rounds, episodes, proximal calls,
-adaptive noise or private output selection change the control flow without engine special cases:
+Every stage method receives a :class:`~dpregistry.context.Context` (the step, the parameters, the
+device, the randomness it may use, the neighbouring relation, the communicator), never the run
+or another stage. What a stage needs from another is declared: ``needs`` lists the types it reads
+with ``ctx.need(T)``, ``provides`` the types it returns from ``provide(T)``. Only the
+:class:`Algorithm` sees the run, in ``step``: it owns the loop above, so algorithms with rounds,
+episodes, proximal calls, adaptive noise or private output selection change the control flow
+without engine special cases:
 
-* stateful privatizers (tree mechanism, prefix sums) keep state in ``state_dict`` and are
-  ``reset()`` by the algorithm at period boundaries;
+* stateful privatizers (tree mechanism, prefix sums) keep their ``State`` and are ``reset()`` by
+  the algorithm at period boundaries;
 * noise that depends on earlier releases is set per call (``release(..., std=...)``); the
   accountant is then a privacy filter whose ``can_afford`` the algorithm asks, and a refused
   charge raises :class:`~dpregistry.errors.BudgetExhausted`, which stops the run cleanly;
@@ -23,12 +28,13 @@ adaptive noise or private output selection change the control flow without engin
 * selection that touches data (the exponential mechanism) is charged like any other release.
 
 Every stage is a class with a pydantic ``Params`` model (its recipe schema, validated before any
-work starts), ``setup(run)`` to bind to a run, and ``state_dict``/``load_state_dict`` for
-checkpoints (tensors and JSON-able values only).
+work starts), ``setup(ctx)`` to bind to a run, and, if it keeps state across steps, a ``State``
+dataclass whose fields (tensors and JSON-able values) the run saves in checkpoints and restores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator
@@ -42,9 +48,9 @@ from .privacy.events import PrivacyEvent
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .engine import Run
+    from .context import Context
+    from .run import Run
     from .spaces import Aggregate, Contribution
-
 
 _ABSENT = object()
 
@@ -94,12 +100,22 @@ class StageParams(NoBooleanNumbers):
 
 
 class Stage:
+    """Base of every stage: a recipe schema, optional declared state, and declared exchanges."""
+
     kind: ClassVar[str] = ""
     name: ClassVar[str] = ""
     Params: ClassVar[type[StageParams]] = StageParams
+    #: a dataclass of what the stage keeps across steps (tensors and JSON-able values); the run
+    #: saves its fields in every checkpoint and restores them on resume (None: stateless)
+    State: ClassVar[type | None] = None
+    #: types this stage reads with ``ctx.need(T)`` (checked before step 1: each has one provider)
+    needs: ClassVar[tuple[type, ...]] = ()
+    #: types this stage returns from ``provide(T)``
+    provides: ClassVar[tuple[type, ...]] = ()
 
     def __init__(self, params: StageParams | None = None):
         self.cfg = params if params is not None else self.Params()
+        self.state = self.State() if self.State is not None else None
 
     @classmethod
     def description(cls) -> str:
@@ -107,17 +123,27 @@ class Stage:
         doc = (cls.__doc__ or "").strip()
         return " ".join(doc.split("\n\n")[0].split())
 
-    def setup(self, run: "Run") -> None:
-        """Bind to a run (the objective, parameters and other stages exist by now)."""
+    def setup(self, ctx: "Context") -> None:
+        """Bind to a run: the objective and the parameters exist by now (``ctx.params``)."""
 
-    def validate(self, run: "Run") -> None:
-        """Cross-stage checks; raise UserError with a helpful message."""
+    def validate(self, ctx: "Context") -> None:
+        """Checks against the other stages' declared values; raise UserError with a helpful message."""
+
+    def provide(self, kind: type) -> Any:
+        """The value of a type listed in ``provides``."""
+        raise NotImplementedError(f"{type(self).__name__} lists {kind.__name__} in provides but does not provide it")
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        """What a checkpoint keeps: the fields of ``State``. Override only for custom serialisation."""
+        if self.state is None:
+            return {}
+        return {f.name: getattr(self.state, f.name) for f in dataclasses.fields(self.state)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        if self.State is None:
+            return
+        known = {f.name for f in dataclasses.fields(self.State)}
+        self.state = dataclasses.replace(self.state, **{k: v for k, v in state.items() if k in known})
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,23 +210,25 @@ class Sampler(Stage):
     #: must then be charged together (one ``Run.charge`` per step), or each would be amplified alone.
     amplifies: ClassVar[bool] = False
 
-    def indices(self, step: int, run: "Run") -> torch.Tensor:
+    def indices(self, ctx: "Context") -> torch.Tensor:
+        """The training records of step ``ctx.step``."""
         raise NotImplementedError
 
-    def expected_batch_size(self, run: "Run") -> float:
-        """The denominator of the privatized mean (Poisson: q·n, fixed batches: B)."""
+    def expected_batch_size(self, ctx: "Context") -> float:
+        """The denominator of the privatized mean at step ``ctx.step`` (Poisson: q·n, fixed batches: B)."""
         raise NotImplementedError
 
-    def account(self, step: int, events: list[PrivacyEvent], run: "Run") -> list[Charge]:
-        """Wrap a step's mechanism events in this sampler's sampling/partition structure."""
+    def account(self, step: int, events: list[PrivacyEvent], ctx: "Context") -> list[Charge]:
+        """Wrap the mechanism events of step ``step`` in this sampler's sampling/partition structure
+        (``ctx.step`` is the step in progress; ``ctx.ledger`` what was charged so far)."""
         raise NotImplementedError
 
-    def account_steps(self, steps: range, events: list[PrivacyEvent], run: "Run") -> list[Charge]:
+    def account_steps(self, steps: range, events: list[PrivacyEvent], ctx: "Context") -> list[Charge]:
         """The charges of every step in ``steps``, each releasing ``events``: the sum of
-        ``account(t, events, run)`` over t, merged into counts. Plans use it, so a sampler should
+        ``account(t, events, ctx)`` over t, merged into counts. Plans use it, so a sampler should
         compute it in closed form (the default calls ``account`` once per step: 10^9 steps would
         take hours)."""
-        return compress(c for t in steps for c in self.account(t, events, run))
+        return compress(c for t in steps for c in self.account(t, events, ctx))
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,7 +245,7 @@ class Estimator(Stage):
     #: GRADIENT (an estimate) or INCREMENT (a change to a running estimate, for stream privatizers)
     contribution_kind: ClassVar[str] = GRADIENT
 
-    def contributions(self, objective: Objective, indices: torch.Tensor, run: "Run") -> Iterator[Contribution]:
+    def contributions(self, objective: Objective, indices: torch.Tensor, ctx: "Context") -> Iterator[Contribution]:
         """Yield the contributions of the batch (one per micro-batch for first-order estimators)."""
         raise NotImplementedError
 
@@ -269,14 +297,27 @@ class Privatizer(Stage):
     #: contribution kinds it accepts (stream privatizers take increments)
     accepts_kinds: ClassVar[frozenset[str]] = frozenset({GRADIENT})
 
+    #: noise std ÷ the clip (None until set by the recipe or by calibration)
+    noise_multiplier: float | None = None
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether the recipe leaves the noise multiplier to calibration against the budget
+        (``noise_multiplier: auto``); the run then calls ``set_noise_multiplier`` before step 1."""
+        return False
+
+    def set_noise_multiplier(self, z: float) -> None:
+        self.noise_multiplier = float(z)
+
     def clip_sum(self, contribution: Contribution) -> ClippedSum:
         raise NotImplementedError
 
-    def release(self, total: ClippedSum, run: "Run", *, std: float | None = None) -> Release:
-        """Add noise (std overrides the configured scale for per-call schedules) and divide."""
+    def release(self, total: ClippedSum, ctx: "Context", *, std: float | None = None) -> Release:
+        """Add noise from ``ctx.noise()`` (std overrides the configured scale for per-call
+        schedules) and divide by ``ctx.expected_batch_size()``."""
         raise NotImplementedError
 
-    def planned_events(self, noise_multiplier: float, run: "Run") -> list[PrivacyEvent]:
+    def planned_events(self, noise_multiplier: float, ctx: "Context") -> list[PrivacyEvent]:
         """The events one release would cost at ``noise_multiplier`` (for planning/calibration)."""
         raise NotImplementedError
 
@@ -298,10 +339,10 @@ class UpdateRule(Stage):
     #: spaces accepted only by lifting to dense coordinates (costs d memory per step)
     lifts: ClassVar[frozenset[str]] = frozenset()
 
-    def apply(self, params: dict[str, torch.Tensor], release: Release, run: "Run") -> None:
+    def apply(self, params: dict[str, torch.Tensor], release: Release, ctx: "Context") -> None:
         raise NotImplementedError
 
-    def output(self, params: dict[str, torch.Tensor], run: "Run") -> dict[str, torch.Tensor] | None:
+    def output(self, params: dict[str, torch.Tensor], ctx: "Context") -> dict[str, torch.Tensor] | None:
         """Final parameters if they are not the current ones (for example an episode average)."""
         return None
 
@@ -327,35 +368,53 @@ class Algorithm(Stage):
     """A named preset: default stages and the control flow of a step.
 
     ``defaults`` gives the stage configurations a recipe starts from (``{kind: {name: ..., ...}}``);
-    a recipe's own sections override them key by key. The base class runs the standard step; an
-    algorithm with outer loops overrides ``step`` and keeps its loop counters in ``state_dict``.
+    a recipe's own sections override them key by key. An algorithm composes its stages: the run
+    hands them over as ``self.stages`` before ``setup``, and ``step(run)`` (the only method that
+    sees the run) drives them. The base class runs the standard step; an algorithm with outer
+    loops overrides ``step`` and keeps its loop counters in its ``State``.
     """
 
     kind = "algorithm"
     defaults: ClassVar[dict[str, dict[str, Any]]] = {}
     #: needs a privacy filter (noise that depends on earlier releases)
     adaptive: ClassVar[bool] = False
+    #: the run's stages, set before setup
+    stages: "Stages"
 
-    def total_steps(self, run: "Run") -> int:
-        return run.recipe.train.steps
+    def total_steps(self, ctx: "Context") -> int:
+        """Steps the run takes (the recipe's ``train.steps`` unless the algorithm's schedule ends sooner)."""
+        return ctx.max_steps
 
-    def done(self, run: "Run") -> bool:
-        return run.step >= self.total_steps(run)
+    def done(self, ctx: "Context") -> bool:
+        return ctx.step >= self.total_steps(ctx)
 
-    def plan(self, run: "Run", noise_multiplier: float) -> list[Charge]:
-        """Every charge of the whole run at ``noise_multiplier``: checked against the budget
-        before the first step, and inverted for calibration. Return [] for adaptive algorithms
-        (the filter then guards the budget)."""
-        per_step = run.privatizer.planned_events(noise_multiplier, run)
-        return compress(run.sampler.account_steps(range(run.step, self.total_steps(run)), per_step, run))
+    def plan(self, ctx: "Context", noise_multiplier: float) -> list[Charge]:
+        """Every charge from step ``ctx.step`` to the end at ``noise_multiplier``: checked against
+        the budget before the first step, and inverted for calibration. Return [] for adaptive
+        algorithms (the filter then guards the budget)."""
+        per_step = self.stages.privatizer.planned_events(noise_multiplier, ctx)
+        return compress(self.stages.sampler.account_steps(range(ctx.step, self.total_steps(ctx)), per_step, ctx))
 
     def step(self, run: "Run") -> StepResult:
-        idx = run.sampler.indices(run.step, run)
+        ctx = run.ctx
+        idx = run.sampler.indices(ctx)
         total = run.privatize_batch(idx)
-        release = run.privatizer.release(total, run)
+        release = run.privatizer.release(total, ctx)
         run.charge(release.events)
-        run.update_rule.apply(run.params, release, run)
+        run.update_rule.apply(ctx.params, release, ctx)
         return StepResult(run.step_metrics(total, release))
+
+
+@dataclass
+class Stages:
+    """The stages an algorithm composes."""
+
+    objective: Objective
+    sampler: Sampler
+    estimator: Estimator
+    privatizer: Privatizer
+    update_rule: UpdateRule
+    accountant: Any  # dpregistry.privacy.accountant.Accountant
 
 
 def compress(charges) -> list[Charge]:

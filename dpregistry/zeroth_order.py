@@ -5,31 +5,30 @@ from __future__ import annotations
 import torch
 
 from .directions import Direction
-from .engine import Displacement
 from .spaces import acc_dtype
 
 
 @torch.no_grad()
-def central_differences(objective, indices: torch.Tensor, run, u: Direction, lam: float):
+def central_differences(objective, indices: torch.Tensor, ctx, u: Direction, lam: float):
     """Per-example (f(x+λu) − f(x−λu))/2λ and (f(x+λu) + f(x−λu))/2, in at least fp32.
 
-    Perturbs ``run.params`` in place (no copy, u regenerated from its seed chunk by chunk) and leaves
-    them at x − λu, registered as ``run.displacement``: the update rule restores x in the same sweep
-    as its update, or the engine does if the step stops early. The displacement is registered
+    Perturbs ``ctx.params`` in place (no copy, u regenerated from its seed chunk by chunk) and leaves
+    them at x − λu, registered with ``ctx.displace``: the update rule restores x in the same sweep
+    as its update, or the run does if the step stops early. The displacement is registered
     before each forward pass, so a failure in either one is undone too.
     """
-    names = tuple(run.params)
-    tensors = list(run.params.values())
+    names = tuple(ctx.params)
+    tensors = list(ctx.params.values())
     # A rank whose shard is empty still sweeps (x − λu + λu is not x in floating point, so a rank
     # that skipped the perturbation would drift from the others) and returns values in the dtype
     # and device of the others' (ranks all-gather them into one tensor).
     losses = objective.losses if len(indices) else \
         (lambda _: torch.zeros(0, dtype=acc_dtype(tensors[0].dtype), device=tensors[0].device))
     u.add_(tensors, lam)
-    run.displacement = Displacement(u, names, lam)
+    ctx.displace(u, names, lam)
     plus = losses(indices)
     u.add_(tensors, -2 * lam)
-    run.displacement = Displacement(u, names, -lam)
+    ctx.displace(u, names, -lam)
     minus = losses(indices)
     dt = acc_dtype(plus.dtype)
     plus, minus = plus.to(dt), minus.to(dt)

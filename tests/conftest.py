@@ -46,12 +46,13 @@ def make_run(recipe: dict | str | Path, tmp_path: Path | None = None, sets=(), o
              registry=None):
     """A prepared Run for a recipe dict/text/path (no output folder unless ``out``); ``registry``
     resolves the stage names (default: the installed plugins)."""
-    from dpregistry.engine import Run, start_run
+    from dpregistry.folder import start_run
+from dpregistry.run import Run
     from dpregistry.recipe import load
 
     if not isinstance(recipe, Path):
         recipe = write_recipe(tmp_path, recipe)
-    run = Run(load(recipe, list(sets), registry), None).prepare()
+    run = Run(load(recipe, list(sets), registry)).prepare()
     if out is not None:
         start_run(run, out)
     return run

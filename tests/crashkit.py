@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-PRELOAD = ["torch", "dpregistry", "dpregistry.cli", "dpregistry.engine", "dpregistry.recipe", "dpregistry.report",
+PRELOAD = ["torch", "dpregistry", "dpregistry.cli", "dpregistry.run", "dpregistry.loop", "dpregistry.folder", "dpregistry.recipe", "dpregistry.report",
            "dpreg_baseline", "dpreg_accounting", "sklearn.datasets", "crashkit"]
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 

@@ -67,7 +67,7 @@ def fake_cifar(folder: Path, per_file: int = 8) -> None:
 def fingerprint(name: str) -> dict:
     import torch
 
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
     from dpregistry.recipe import load
 
     sets = COMMON + RECIPES[name]
@@ -75,7 +75,7 @@ def fingerprint(name: str) -> dict:
         if name.startswith("vit-"):
             fake_cifar(Path(d) / "cifar")
             sets = sets + [f"objective.data.path={Path(d) / 'cifar'}"]
-        run = Run(load(REPO / "recipes" / f"{name}.yaml", sets), None).prepare()
+        run = Run(load(REPO / "recipes" / f"{name}.yaml", sets)).prepare()
         run.train()
     h = hashlib.sha256()
     for k in sorted(run.params):

@@ -11,7 +11,7 @@ import torch
 from conftest import make_run, write_recipe
 from dpregistry import UserError
 from dpregistry import checkpoint as ckpt
-from dpregistry.engine import resume_run
+from dpregistry.folder import resume_run
 from dpregistry.privacy.accountant import Ledger, make_accountant
 from dpregistry.privacy.events import Gaussian, PoissonSampled
 from dpregistry.stages import Charge

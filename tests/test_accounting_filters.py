@@ -222,12 +222,12 @@ def test_non_filter_accountants_are_refused_for_adaptive_algorithms(accountant, 
 @pytest.mark.parametrize("accountant,privacy", [("zcdp", {"rho": 2.0}),
                                                 ("rdp_filter", {"epsilon": 8.0, "delta": 1e-5})])
 def test_adaptive_run_stops_cleanly_when_the_filter_refuses(accountant, privacy, registry, tmp_path):
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
     from dpregistry.recipe import load
 
     recipe = _adaptive_recipe(accountant, privacy)
     recipe["train"]["steps"] = 10_000
-    run = Run(load(write_recipe(tmp_path, recipe), registry=registry), None).prepare()
+    run = Run(load(write_recipe(tmp_path, recipe), registry=registry)).prepare()
     before = {k: v.clone() for k, v in run.params.items()}
     summary = run.train()
     assert summary["stopped"] and "privacy budget exhausted" in summary["stopped"]
@@ -247,12 +247,12 @@ def test_an_adaptive_run_without_a_budget_is_refused(privacy, registry, tmp_path
     """A filter's guarantee holds for a budget fixed in advance; the sum of adaptively chosen
     costs is not a guarantee (Rogers et al. 2016: odometers cost more), so without a budget an
     adaptive run would be admitted without limit and report an invalid ε."""
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
     from dpregistry.recipe import load
 
     recipe = _adaptive_recipe("zcdp", privacy)
     with pytest.raises(UserError, match="budget") as e:
-        Run(load(write_recipe(tmp_path, recipe), registry=registry), None).prepare()
+        Run(load(write_recipe(tmp_path, recipe), registry=registry)).prepare()
     assert e.value.key and e.value.key.startswith("privacy")
 
 

@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_run, write_recipe
 from dpregistry import checkpoint as ckpt
-from dpregistry.engine import resume_run
+from dpregistry.folder import resume_run
 from dpregistry.errors import UserError
 from dpregistry.recipe import load
 

@@ -34,7 +34,7 @@ def two_ranks():
     """Comm classes for two ranks run one after the other in this process (rank 0 first): the k-th
     broadcast of a rank 1 receives the k-th broadcast of the latest rank 0; no other collective is
     needed."""
-    from dpregistry.engine import LocalComm
+    from dpregistry.distributed import LocalComm
 
     sent = []
 
@@ -195,7 +195,7 @@ def test_secure_mode_ranks_share_the_key_once_and_draw_the_same_batches_and_nois
     disagreement in batches: ranks all-reduce one sum either way.)"""
     import torch
 
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
     from dpregistry.recipe import load
     from conftest import write_recipe
 
@@ -204,7 +204,7 @@ def test_secure_mode_ranks_share_the_key_once_and_draw_the_same_batches_and_nois
     recipe = load(write_recipe(tmp_path, dp_sgd()))
     assert recipe.privacy.noise == "secure"
     comms = [TwoRanks(r) for r in (0, 1)]
-    ranks = [Run(recipe, None, comm=c).prepare() for c in comms]
+    ranks = [Run(recipe, comm=c).prepare() for c in comms]
     assert ranks[0].rng.key == ranks[1].rng.key
     sent = [c.broadcasts for c in comms]
     for t in range(3):
@@ -213,7 +213,7 @@ def test_secure_mode_ranks_share_the_key_once_and_draw_the_same_batches_and_nois
         x, y = (run.rng.noise(t, 0).randn((50,)) for run in ranks)
         assert torch.equal(x, y)
     assert [c.broadcasts for c in comms] == sent  # nothing more was sent
-    alone = Run(recipe, None).prepare()
+    alone = Run(recipe).prepare()
     assert alone.rng.key != ranks[0].rng.key
 
 
@@ -329,7 +329,7 @@ def test_ranks_with_different_noise_keys_are_refused(tmp_path, monkeypatch):
     """Keyed batches and noise derive from DPREG_NOISE_KEY on every rank: a rank with another key
     (or none) would cut its shard from another batch (a record could be summed on two ranks, twice
     the sensitivity) and add other noise."""
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
     from dpregistry.recipe import load
     from dpregistry.rng import NOISE_KEY_ENV
     from conftest import write_recipe
@@ -338,15 +338,15 @@ def test_ranks_with_different_noise_keys_are_refused(tmp_path, monkeypatch):
 
     recipe = load(write_recipe(tmp_path, dict(dp_sgd(), privacy={"epsilon": 8.0, "delta": 1e-3, "noise": "keyed"})))
     monkeypatch.setenv(NOISE_KEY_ENV, KEY_A)
-    Run(recipe, None, comm=TwoRanks(0)).prepare()
-    Run(recipe, None, comm=TwoRanks(1)).prepare()  # the same key: fine
-    Run(recipe, None, comm=TwoRanks(0)).prepare()
+    Run(recipe, comm=TwoRanks(0)).prepare()
+    Run(recipe, comm=TwoRanks(1)).prepare()  # the same key: fine
+    Run(recipe, comm=TwoRanks(0)).prepare()
     monkeypatch.setenv(NOISE_KEY_ENV, KEY_B)
     with pytest.raises(UserError, match="DPREG_NOISE_KEY"):
-        Run(recipe, None, comm=TwoRanks(1)).prepare()
+        Run(recipe, comm=TwoRanks(1)).prepare()
     monkeypatch.delenv(NOISE_KEY_ENV)
     with pytest.raises(UserError, match="DPREG_NOISE_KEY"):
-        Run(recipe, None, comm=TwoRanks(1)).prepare()
+        Run(recipe, comm=TwoRanks(1)).prepare()
 
 
 def test_the_layout_check_keeps_a_sketch_of_each_backprop_not_a_copy(monkeypatch):
@@ -377,15 +377,15 @@ def test_ranks_with_different_recipes_are_refused(tmp_path):
     """Every rank loads the recipe itself (on several nodes, from its own file): a rank with a larger
     clip would add a larger clipped sum to the all-reduce, unaccounted for, and since every rank
     applies the same reduced update, the parameter checksums would never show it."""
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
     from dpregistry.recipe import load
     from conftest import write_recipe
 
     TwoRanks = two_ranks()
 
     recipe = load(write_recipe(tmp_path, dp_sgd()))
-    Run(recipe, None, comm=TwoRanks(0)).prepare()
-    Run(recipe, None, comm=TwoRanks(1)).prepare()  # the same recipe: fine
+    Run(recipe, comm=TwoRanks(0)).prepare()
+    Run(recipe, comm=TwoRanks(1)).prepare()  # the same recipe: fine
     other = load(write_recipe(tmp_path, dp_sgd(), name="other.yaml"), ["privatizer.clip=100"])
     with pytest.raises(UserError, match="recipe"):
-        Run(other, None, comm=TwoRanks(1)).prepare()
+        Run(other, comm=TwoRanks(1)).prepare()

@@ -516,7 +516,8 @@ def test_gradient_accumulation_does_not_change_the_result(tmp_path, monkeypatch)
 
 def test_resume_is_bit_identical(tmp_path):
     """Projected Adam's moments (and the step-derived seeds) survive a checkpoint and resume."""
-    from dpregistry.engine import Run, resume_run, start_run
+    from dpregistry.folder import resume_run, start_run
+from dpregistry.run import Run
     from dpregistry.recipe import load
     from conftest import write_recipe
 
@@ -524,7 +525,7 @@ def test_resume_is_bit_identical(tmp_path):
     full, _ = params_after(recipe, tmp_path)
     path = write_recipe(tmp_path, recipe, "r.yaml")
     (tmp_path / "out").mkdir()
-    run = start_run(Run(load(path), None).prepare(), tmp_path / "out")
+    run = start_run(Run(load(path)).prepare(), tmp_path / "out")
 
     def stop_at_3(r, metrics):
         if r.step == 3:

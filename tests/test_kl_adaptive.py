@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import RECIPES, make_run
 from dpregistry import BudgetExhausted, Charge, UserError
 from dpregistry import checkpoint as ckpt
-from dpregistry.engine import resume_run
+from dpregistry.folder import resume_run
 from dpregistry.privacy.events import Exponential, Gaussian, PrivacyEvent
 from dpregistry.registry import get_registry
 

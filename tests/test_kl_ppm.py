@@ -102,7 +102,7 @@ def test_ppm_refusals(tmp_path, bad, match):
 
 def test_ppm_resume_inside_a_call_is_exact(tmp_path):
     from dpregistry import checkpoint as ckpt
-    from dpregistry.engine import resume_run
+    from dpregistry.folder import resume_run
     import shutil
 
     recipe = ppm_recipe(train={"steps": 40, "checkpoint_every": 3, "keep_checkpoints": 100, "log_every": 5})

@@ -12,7 +12,7 @@ import torch
 from conftest import make_run
 from dpregistry import UserError
 from dpregistry import checkpoint as ckpt
-from dpregistry.engine import resume_run
+from dpregistry.folder import resume_run
 from dpregistry.privacy.events import PrivacyEvent
 
 from dpreg_kl.report import cost_table

@@ -12,7 +12,7 @@ import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from conftest import make_run, write_recipe
-from dpregistry.engine import resume_run
+from dpregistry.folder import resume_run
 from dpregistry.errors import UserError
 from dpregistry.privacy import secret
 from dpregistry.rng import NOISE_KEY_ENV, RunRNG, key_from_env

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpregistry.engine import resume_run
+from dpregistry.folder import resume_run
 
 from conftest import RECIPES, make_run
 from nonsmooth_helpers import recipe

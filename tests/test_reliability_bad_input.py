@@ -558,14 +558,14 @@ def test_fuzzed_recipe_text_gives_a_recipe_or_a_user_error(data, tmp_path_factor
 @given(recipe=mutated())
 def test_fuzzed_recipes_that_load_also_prepare_or_give_a_user_error(recipe, tmp_path_factory):
     """Further down: data, model and budget checks of the recipes the loader accepts."""
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
     from dpregistry.errors import UserError
     from dpregistry.recipe import load
 
     path = tmp_path_factory.mktemp("fuzz") / "r.yaml"
     path.write_text(yaml.safe_dump(recipe, allow_unicode=True))
     try:
-        Run(load(path), None).prepare()
+        Run(load(path)).prepare()
         event("prepared")
     except UserError as e:
         event(f"refused: {e.key}")
@@ -666,16 +666,16 @@ def test_ranks_with_different_recipes_are_refused_at_the_key_that_differs(tmp_pa
     from test_core_review import two_ranks
 
     from conftest import write_recipe
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
     from dpregistry.errors import UserError
     from dpregistry.recipe import load
 
     ranks = two_ranks()
     first = load(write_recipe(tmp_path, BASE, "rank0.yaml"))
     other = load(write_recipe(tmp_path, BASE.replace("clip: 1.0", "clip: 2.0"), "rank1.yaml"))
-    Run(first, None, comm=ranks(0)).prepare()
+    Run(first, comm=ranks(0)).prepare()
     with pytest.raises(UserError, match="ranks resolved different recipes") as e:
-        Run(other, None, comm=ranks(1)).prepare()
+        Run(other, comm=ranks(1)).prepare()
     assert (Path(e.value.file).name, e.value.line, e.value.key) == ("rank1.yaml", 8, "privatizer.clip")
 
 

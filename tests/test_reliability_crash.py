@@ -291,7 +291,7 @@ def small_recipes() -> list[str]:
 def test_shipped_recipes_resume_bit_identically_after_a_crash(recipe_name, tmp_path):
     from conftest import RECIPES as RECIPE_DIR
     from conftest import make_run
-    from dpregistry.engine import resume_run
+    from dpregistry.folder import resume_run
 
     path = RECIPE_DIR / recipe_name
     if not path.exists():

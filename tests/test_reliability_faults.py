@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 
 from conftest import RECIPES, make_run, write_recipe
 from dpregistry import checkpoint as ckpt
-from dpregistry.engine import resume_run
+from dpregistry import files
+from dpregistry.folder import resume_run
 from dpregistry.errors import UserError
 from test_core_cli import dpreg
 
@@ -179,7 +180,7 @@ def test_a_resume_after_a_failed_update_redoes_the_step_identically(reference, t
 
 def _algorithm_recipe(name: str):
     """A small recipe for any registered algorithm: its preset with a small objective."""
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
     from dpregistry.recipe import load
 
     base = {"seed": 1, "algorithm": name, "privacy": {"epsilon": 200.0, "delta": 1e-3},
@@ -199,7 +200,7 @@ def _algorithm_recipe(name: str):
 
                 with tempfile.TemporaryDirectory() as d:
                     return_path = write_recipe(Path(d), recipe)
-                    Run(load(return_path), None).prepare()
+                    Run(load(return_path)).prepare()
                 return recipe
             except UserError as e:
                 errors.append(str(e))
@@ -213,7 +214,7 @@ def _algorithm_recipe(name: str):
             continue
         sets = ["train.steps=3", "train.progress=false"]
         try:
-            Run(load(path, sets), None).prepare()
+            Run(load(path, sets)).prepare()
             return path, sets
         except UserError as e:
             errors.append(str(e))
@@ -345,7 +346,7 @@ def test_the_cli_reports_a_nonfinite_stop_in_one_line(tmp_path, monkeypatch):
 
 def test_a_full_disk_at_a_checkpoint_is_one_clear_line_and_keeps_the_last_one(reference, tmp_path, monkeypatch):
     """The kernel's ENOSPC: the temporary file of the step-6 checkpoint is /dev/full."""
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
 
     recipe, ref_out = reference
     out = tmp_path / "out"
@@ -353,7 +354,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_clear_line_and_keeps_the_last_one(re
 
     def disk_full_at_step_6(self):
         if self.step == 6:
-            ckpt.temp_path(ckpt.checkpoint_path(out / "checkpoints", 6)).symlink_to("/dev/full")
+            files.temp_path(ckpt.checkpoint_path(out / "checkpoints", 6)).symlink_to("/dev/full")
         return real(self)
 
     monkeypatch.setattr(Run, "save_checkpoint", disk_full_at_step_6)
@@ -371,7 +372,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_clear_line_and_keeps_the_last_one(re
 
 
 def crashkit_temps(out: Path) -> list[str]:
-    return [p.name for p in (out / "checkpoints").iterdir() if ckpt.TEMP.match(p.name)]
+    return [p.name for p in (out / "checkpoints").iterdir() if files.TEMP.match(p.name)]
 
 
 def test_a_full_disk_while_logging_is_one_clear_line(tmp_path):
@@ -498,7 +499,7 @@ def test_overwrite_never_deletes_a_run_that_took_the_folder_while_this_one_prepa
     import sys
 
     from dpregistry import cli
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
 
     recipe = write_recipe(tmp_path, RECIPE)
     out = tmp_path / "out"

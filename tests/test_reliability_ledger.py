@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_run, write_recipe
 from dpregistry import checkpoint as ckpt
-from dpregistry.engine import resume_run
+from dpregistry.folder import resume_run
 from dpregistry.errors import UserError
 from dpregistry.ledger_file import GENESIS, LedgerFile, _digest
 from test_core_cli import dpreg

@@ -16,7 +16,7 @@ import torch
 
 from conftest import REPO, make_run
 from dpregistry import checkpoint as ckpt
-from dpregistry.engine import resume_run
+from dpregistry.folder import resume_run
 from dpregistry.errors import UserError
 from dpregistry.hf import require_safetensors_weights, resolve_model_dir
 

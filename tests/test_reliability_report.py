@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from conftest import make_run, write_recipe
-from dpregistry.engine import resume_run
+from dpregistry.folder import resume_run
 from test_core_cli import dpreg
 
 RECIPE = {

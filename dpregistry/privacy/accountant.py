@@ -118,6 +118,7 @@ class Accountant(Stage):
     can_filter: ClassVar[bool] = False
     #: event types it can compose
     supports: ClassVar[frozenset[str]] = frozenset()
+    needs = (Budget,)
 
     class Params(StageParams):
         pass
@@ -133,8 +134,8 @@ class Accountant(Stage):
     def bind(self, budget: Budget) -> None:
         self.budget = budget
 
-    def setup(self, run) -> None:
-        self.bind(run.budget)
+    def setup(self, ctx) -> None:
+        self.bind(ctx.need(Budget))
 
     # -- what subclasses implement ---------------------------------------------------------
 

@@ -172,7 +172,7 @@ class RdpAccountant(Accountant):
                           "self_composed", "zcdp", "tree_aggregation", "exponential", "non_private"})
     Params = RdpParams
 
-    def validate(self, run):
+    def validate(self, ctx):
         refuse_rho_budget(self)
 
     @property
@@ -281,8 +281,8 @@ class RdpFilter(RdpAccountant):
     Params = RdpFilterParams
     calibrate = Accountant.calibrate  # one order: the generic search is exact and cheap
 
-    def validate(self, run):
-        super().validate(run)
+    def validate(self, ctx):
+        super().validate(ctx)
         self._need_budget()  # its budget B(α) comes from (ε, δ): refuse now, not at the first reported ε
 
     @property
@@ -502,7 +502,7 @@ class PldAccountant(Accountant):
     Params = PldParams
     _refused_size: PldTooLarge | None = None  # the last array too large for a calibration step
 
-    def validate(self, run):
+    def validate(self, ctx):
         refuse_rho_budget(self)
 
     def _fits(self, groups):

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from dpregistry import Estimator, StageParams, UserError
+from dpregistry import Estimator, Objective, StageParams, UserError
 from dpregistry.directions import Direction
 from dpregistry.persample import GradSampler
 from dpregistry.zeroth_order import central_differences
@@ -42,9 +42,11 @@ class PerExampleGrad(Estimator):
     name = "per_example_grad"
     space = DENSE
     Params = PerExampleGradParams
+    needs = (Objective,)
 
-    def setup(self, run):
-        module = run.objective.module()
+    def setup(self, ctx):
+        objective = ctx.need(Objective)
+        module = objective.module()
         backend = self.cfg.backend
         if backend == "auto":
             backend = "hooks" if module is not None else "functorch"
@@ -52,26 +54,26 @@ class PerExampleGrad(Estimator):
             raise UserError("per_example_grad backend 'hooks' needs an objective with a torch module",
                             key="estimator.backend")
         self.backend = backend
-        self.sampler = GradSampler(module, run.params) if backend == "hooks" else None
+        self.sampler = GradSampler(module, ctx.params) if backend == "hooks" else None
         if self.sampler is not None:
-            self.sampler.check_model(run.objective.losses, run.objective.n_train)
+            self.sampler.check_model(objective.losses, objective.n_train)
 
-    def contributions(self, objective, indices, run):
+    def contributions(self, objective, indices, ctx):
         if len(indices) == 0:
-            yield empty_dense(run.params)
+            yield empty_dense(ctx.params)
             return
-        for chunk in micro_batches(indices, run.recipe.train.micro_batch_size):
+        for chunk in micro_batches(indices, ctx.micro_batch_size):
             if self.backend == "hooks":
                 with torch.enable_grad(), self.sampler.capture(len(chunk)):
                     losses = objective.losses(chunk)
                 yield self.sampler.contribution(losses)
             else:
-                yield self._functorch(objective, chunk, run)
+                yield self._functorch(objective, chunk, ctx)
 
-    def _functorch(self, objective, chunk, run):
+    def _functorch(self, objective, chunk, ctx):
         from torch.func import grad, vmap
 
-        params = {k: v.detach() for k, v in run.params.items()}
+        params = {k: v.detach() for k, v in ctx.params.items()}
 
         def one(p, i):
             return objective.functional_losses(p, i.unsqueeze(0))[0]
@@ -100,11 +102,11 @@ class ZOTwoPoint(Estimator):
     space = SEEDED_DIRECTION
     Params = ZOParams
 
-    def contributions(self, objective, indices, run):
-        names = tuple(run.params)
-        u = Direction(run.rng.step_seed("direction", run.step), self.cfg.direction)
+    def contributions(self, objective, indices, ctx):
+        names = tuple(ctx.params)
+        u = Direction(ctx.rng.seed("direction", ctx.step), self.cfg.direction)
         lam = self.cfg.smoothing
-        values, mid = central_differences(objective, indices, run, u, lam)
+        values, mid = central_differences(objective, indices, ctx, u, lam)
         yield DirectionContribution(values=values, direction=u, names=names, losses=mid)
 
 

@@ -50,7 +50,7 @@ class TabularObjective(TorchObjective):
     name = "tabular"
     Params = TabularParams
 
-    def build(self, run):
+    def build(self, ctx):
         d = self.cfg.data
         self.table = load_tabular(d.dataset, test_fraction=d.test_fraction, seed=d.seed)
         t = self.table
@@ -64,14 +64,14 @@ class TabularObjective(TorchObjective):
         act = nn.ReLU if m.activation == "relu" else nn.Tanh
         layers: list[nn.Module] = []
         width = n_in
-        with seeded(run.rng.step_seed("init", 0)):  # the initialisation is a function of the seed
+        with seeded(ctx.rng.seed("init", 0)):  # the initialisation is a function of the seed
             if m.kind == "mlp":
                 for h in m.hidden:
                     layers += [nn.Linear(width, h), act()]
                     width = h
             layers.append(nn.Linear(width, n_out))
-            self.model = nn.Sequential(*layers).to(run.device)
-        self.x_train, self.y_train = t.x_train.to(run.device), t.y_train.to(run.device)
+            self.model = nn.Sequential(*layers).to(ctx.device)
+        self.x_train, self.y_train = t.x_train.to(ctx.device), t.y_train.to(ctx.device)
 
     def _loss(self, out, y):
         if self.table.task == "classification":
@@ -164,7 +164,7 @@ class HFTextClassification(TorchObjective):
     name = "hf_text_classification"
     Params = HFTextParams
 
-    def build(self, run):
+    def build(self, ctx):
         from transformers import AutoConfig, AutoModel, AutoTokenizer
 
         from dpregistry.hf import resolve_model_dir
@@ -188,16 +188,16 @@ class HFTextClassification(TorchObjective):
         mdir = resolve_model_dir(p.model.path, need_weights=p.model.init == "pretrained")
         self.tokenizer = AutoTokenizer.from_pretrained(mdir)
         dtype = DTYPES[p.model.dtype]
-        with seeded(run.rng.step_seed("init", 0)):
+        with seeded(ctx.rng.seed("init", 0)):
             if p.model.init == "pretrained":
                 enc = AutoModel.from_pretrained(mdir, dtype=dtype)
             else:
                 enc = AutoModel.from_config(AutoConfig.from_pretrained(mdir), dtype=dtype)
-            self.model = Encoder(enc, len(self.label_names), p.model.pooling).to(run.device, dtype)
+            self.model = Encoder(enc, len(self.label_names), p.model.pooling).to(ctx.device, dtype)
         self.train_tok = self._tokenize(train.texts)
-        self.y_train = torch.tensor(train.labels, device=run.device)
+        self.y_train = torch.tensor(train.labels, device=ctx.device)
         self.test_tok = self._tokenize(test.texts)
-        self.y_test = torch.tensor(test.labels, device=run.device)
+        self.y_test = torch.tensor(test.labels, device=ctx.device)
         if p.model.head_init == "label_descriptions":
             self._init_head_from_descriptions()
 
@@ -276,7 +276,7 @@ class Quadratic(Objective):
     name = "quadratic"
     Params = QuadraticParams
 
-    def setup(self, run):
+    def setup(self, ctx):
         p = self.cfg
         dt = DTYPES[p.dtype]
         require_memory(8 * (p.n + p.n_test + 3) * p.dim, f"the quadratic's data ({p.n:,} + {p.n_test:,} records of "

@@ -29,23 +29,23 @@ class GaussianPrivatizer(Privatizer):
     name = "gaussian"
     Params = GaussianParams
 
-    def setup(self, run):
-        self.relation = run.relation
+    def setup(self, ctx):
+        self.relation = ctx.relation
         z = self.cfg.noise_multiplier
-        self.needs_calibration = z == "auto"
-        self.noise_multiplier = None if self.needs_calibration else float(z)
+        self.noise_multiplier = None if self.calibrates else float(z)
 
-    def validate(self, run):
+    @property
+    def calibrates(self):
+        return self.cfg.noise_multiplier == "auto"
+
+    def validate(self, ctx):
         if not math.isfinite(self.cfg.clip):
-            if self.needs_calibration or self.noise_multiplier:
+            if self.calibrates or self.noise_multiplier:
                 raise UserError("clip: inf makes the sensitivity unbounded, so no noise can make it private; "
                                 "set a finite clip, or noise_multiplier: 0 for a non-private run",
                                 key="privatizer.clip")
         elif self.noise_multiplier is not None and self.noise_multiplier < 0:
             raise UserError("noise_multiplier must be >= 0", key="privatizer.noise_multiplier")
-
-    def set_noise_multiplier(self, z: float) -> None:
-        self.noise_multiplier = float(z)
 
     def sensitivity(self) -> float:
         """L2 sensitivity of the clipped sum under the run's relation (2C replace-one, C add/remove)."""
@@ -59,15 +59,15 @@ class GaussianPrivatizer(Privatizer):
             return [NonPrivate()]
         return [Gaussian(std=std, sensitivity=self.sensitivity())]
 
-    def planned_events(self, noise_multiplier, run):
+    def planned_events(self, noise_multiplier, ctx):
         return self._events(noise_multiplier * self.cfg.clip if math.isfinite(self.cfg.clip) else 0.0)
 
-    def release(self, total, run, *, std=None):
+    def release(self, total, ctx, *, std=None):
         if std is None:
             std = self.noise_multiplier * self.cfg.clip if math.isfinite(self.cfg.clip) else 0.0
         agg = total.aggregate
-        agg.add_noise_(std, run.noise())
-        denom = run.sampler.expected_batch_size(run)
+        agg.add_noise_(std, ctx.noise())
+        denom = ctx.expected_batch_size()
         agg.mul_(1.0 / denom)
         return Release(agg, self._events(std), kind=total.kind,
                        stats={"noise_std": std / denom})
@@ -78,16 +78,16 @@ class NoPrivatizer(Privatizer):
 
     name = "none"
 
-    def setup(self, run):
+    def setup(self, ctx):
         self.noise_multiplier = 0.0
 
     def clip_sum(self, contribution):
         return clip_and_sum(contribution, math.inf)
 
-    def planned_events(self, noise_multiplier, run):
+    def planned_events(self, noise_multiplier, ctx):
         return [NonPrivate()]
 
-    def release(self, total, run, *, std=None):
+    def release(self, total, ctx, *, std=None):
         agg = total.aggregate
         agg.mul_(1.0 / max(total.count, 1))
         return Release(agg, [NonPrivate()], kind=total.kind)

@@ -24,9 +24,9 @@ def sampled_together(events: list[PrivacyEvent], wrap) -> list[Charge]:
     return out
 
 
-def _every_step_alike(sampler, steps: range, events, run) -> list[Charge]:
+def _every_step_alike(sampler, steps: range, events, ctx) -> list[Charge]:
     """account_steps of a sampler whose charges do not depend on the step: one step's, times |steps|."""
-    return repeat(sampler.account(steps.start, events, run), len(steps)) if steps else []
+    return repeat(sampler.account(steps.start, events, ctx), len(steps)) if steps else []
 
 
 def multiples_in(steps: range, m: int) -> int:
@@ -60,29 +60,29 @@ class PoissonSampler(Sampler):
     name = "poisson"
     Params = PoissonParams
 
-    def setup(self, run):
-        n = run.n_train
+    def setup(self, ctx):
+        n = ctx.n_train
         self.n = n
         self.q = self.cfg.sample_rate if self.cfg.sample_rate is not None else self.cfg.batch_size / n
         if self.q > 1:
             raise UserError(f"sampler.batch_size {self.cfg.batch_size:g} exceeds the data set size {n}",
                             key="sampler.batch_size")
 
-    def indices(self, step, run):
+    def indices(self, ctx):
         # Sampling is global (every rank draws the same mask), so q is the true rate; the mask is
         # as secret as the noise, since the amplification by sampling assumes it is hidden.
-        return (run.secret("poisson", step).uniform(self.n) <= self.q).nonzero().squeeze(1)
+        return (ctx.rng.secret("poisson", ctx.step).uniform(self.n) <= self.q).nonzero().squeeze(1)
 
-    def expected_batch_size(self, run):
+    def expected_batch_size(self, ctx):
         return self.q * self.n
 
     amplifies = True
 
-    def account(self, step, events, run):
+    def account(self, step, events, ctx):
         return sampled_together(events, lambda e: PoissonSampled(self.q, e))
 
-    def account_steps(self, steps, events, run):
-        return _every_step_alike(self, steps, events, run)
+    def account_steps(self, steps, events, ctx):
+        return _every_step_alike(self, steps, events, ctx)
 
 
 class ShuffleParams(StageParams):
@@ -111,57 +111,57 @@ class ShuffleSampler(Sampler):
     name = "shuffle"
     Params = ShuffleParams
 
-    def setup(self, run):
-        self.n = run.n_train
+    def setup(self, ctx):
+        self.n = ctx.n_train
         self.B = self.cfg.batch_size
         if self.B > self.n:
             raise UserError(f"sampler.batch_size {self.B} exceeds the data set size {self.n}", key="sampler.batch_size")
         self.per_epoch = self.n // self.B
         self._perm_epoch, self._perm = -1, None
 
-    def validate(self, run):
-        if run.algorithm.adaptive:
+    def validate(self, ctx):
+        if ctx.adaptive:
             raise UserError("shuffle sampling with exact accounting needs the same mechanism at every step; "
                             "use the poisson sampler for adaptive algorithms", key="sampler")
-        if run.relation != "replace_one":
+        if ctx.relation != "replace_one":
             # A neighbour must change one batch of the epoch; adding a record re-cuts every batch.
             raise UserError("shuffle sampling with exact accounting is analysed under replace-one neighbours "
                             "(privacy.relation: replace_one); use the poisson sampler for add/remove", key="sampler")
 
-    def indices(self, step, run):
-        epoch, j = divmod(step, self.per_epoch)
+    def indices(self, ctx):
+        epoch, j = divmod(ctx.step, self.per_epoch)
         if epoch != self._perm_epoch:
-            self._perm = torch.randperm(self.n, generator=run.rng.generator("shuffle", epoch))
+            self._perm = torch.randperm(self.n, generator=ctx.rng.generator("shuffle", epoch))
             self._perm_epoch = epoch
         return self._perm[j * self.B:(j + 1) * self.B]
 
-    def expected_batch_size(self, run):
+    def expected_batch_size(self, ctx):
         return float(self.B)
 
-    def account(self, step, events, run):
+    def account(self, step, events, ctx):
         start = step - step % self.per_epoch
         if step == start:
             return [Charge(e) for e in events]
-        if step != run.step:
+        if step != ctx.step:
             return []  # a later step of a plan: assumed to release what the epoch's first step did
         # A record of this batch suffers this step's release: parallel composition covers it only
         # if the epoch's first step charged it; charge the rest (sequential composition, valid).
-        missing = Counter(events) - self._charged_at(start, run)
+        missing = Counter(events) - self._charged_at(start, ctx.ledger)
         return [Charge(e, count=n) for e, n in missing.items()]
 
-    def account_steps(self, steps, events, run):
+    def account_steps(self, steps, events, ctx):
         # each epoch start in the range, and the current step if it is not one
         out = repeat([Charge(e) for e in events], multiples_in(steps, self.per_epoch))
-        if run.step in steps and run.step % self.per_epoch:
-            out += self.account(run.step, events, run)
+        if ctx.step in steps and ctx.step % self.per_epoch:
+            out += self.account(ctx.step, events, ctx)
         return out
 
     @staticmethod
-    def _charged_at(step, run) -> Counter:
+    def _charged_at(step, ledger) -> Counter:
         """Unpartitioned events the ledger charged at ``step`` (an entry spanning several steps
         counts its per-step share, rounded down)."""
         out: Counter = Counter()
-        for e in run.accountant.ledger.entries:
+        for e in ledger.entries:
             if e["partition"] is None and e["first_step"] <= step <= e["last_step"]:
                 share = e["count"] // (e["last_step"] - e["first_step"] + 1)
                 if share:
@@ -180,30 +180,30 @@ class UniformSampler(Sampler):
     name = "uniform"
     Params = UniformParams
 
-    def setup(self, run):
-        self.n = run.n_train
+    def setup(self, ctx):
+        self.n = ctx.n_train
         self.B = self.cfg.batch_size
         if self.B > self.n:
             raise UserError(f"sampler.batch_size {self.B} exceeds the data set size {self.n}", key="sampler.batch_size")
 
-    def validate(self, run):
-        if run.relation != "replace_one":
+    def validate(self, ctx):
+        if ctx.relation != "replace_one":
             raise UserError("the uniform sampler's amplification is analysed under replace-one neighbours "
                             "(privacy.relation: replace_one); use the poisson sampler for add/remove", key="sampler")
 
-    def indices(self, step, run):
-        return run.secret("uniform", step).uniform(self.n).argsort()[:self.B]
+    def indices(self, ctx):
+        return ctx.rng.secret("uniform", ctx.step).uniform(self.n).argsort()[:self.B]
 
-    def expected_batch_size(self, run):
+    def expected_batch_size(self, ctx):
         return float(self.B)
 
     amplifies = True
 
-    def account(self, step, events, run):
+    def account(self, step, events, ctx):
         return sampled_together(events, lambda e: SampledWithoutReplacement(self.n, self.B, e))
 
-    def account_steps(self, steps, events, run):
-        return _every_step_alike(self, steps, events, run)
+    def account_steps(self, steps, events, ctx):
+        return _every_step_alike(self, steps, events, ctx)
 
 
 class FullBatch(Sampler):
@@ -211,20 +211,20 @@ class FullBatch(Sampler):
 
     name = "full_batch"
 
-    def setup(self, run):
-        self.n = run.n_train
+    def setup(self, ctx):
+        self.n = ctx.n_train
 
-    def indices(self, step, run):
+    def indices(self, ctx):
         return torch.arange(self.n)
 
-    def expected_batch_size(self, run):
+    def expected_batch_size(self, ctx):
         return float(self.n)
 
-    def account(self, step, events, run):
+    def account(self, step, events, ctx):
         return [Charge(e) for e in events]
 
-    def account_steps(self, steps, events, run):
-        return _every_step_alike(self, steps, events, run)
+    def account_steps(self, steps, events, ctx):
+        return _every_step_alike(self, steps, events, ctx)
 
 
 SAMPLERS = (PoissonSampler, UniformSampler, ShuffleSampler, FullBatch)

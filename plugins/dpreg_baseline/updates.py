@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 from pydantic import Field
@@ -25,12 +26,13 @@ class SGD(UpdateRule):
     lifts = frozenset({SEEDED_DIRECTION, PROJECTED})
     Params = SGDParams
 
-    def setup(self, run):
-        self.buf: dict[str, torch.Tensor] = {}
+    @dataclass
+    class State:
+        buf: dict[str, torch.Tensor] = field(default_factory=dict)  # momentum, by parameter
 
     @torch.no_grad()
-    def apply(self, params, release, run):
-        run.undo_displacement()
+    def apply(self, params, release, ctx):
+        ctx.undo_displacement()
         grads = release.value.lift(params)
         p = self.cfg
         for k, x in params.items():
@@ -38,17 +40,11 @@ class SGD(UpdateRule):
             if p.weight_decay:
                 g = g + p.weight_decay * x.to(g.dtype)
             if p.momentum:
-                b = self.buf.get(k)
+                b = self.state.buf.get(k)
                 b = g.clone() if b is None else b.mul_(p.momentum).add_(g)
-                self.buf[k] = b
+                self.state.buf[k] = b
                 g = b
             x.sub_((p.lr * g).to(x.dtype))
-
-    def state_dict(self):
-        return {"buf": dict(self.buf)}
-
-    def load_state_dict(self, state):
-        self.buf = dict(state.get("buf", {}))
 
 
 class AdamParams(StageParams):
@@ -69,38 +65,32 @@ class Adam(UpdateRule):
     lifts = frozenset({SEEDED_DIRECTION, PROJECTED})
     Params = AdamParams
 
-    def setup(self, run):
-        self.t = 0
-        self.m: dict[str, torch.Tensor] = {}
-        self.v: dict[str, torch.Tensor] = {}
+    @dataclass
+    class State:
+        t: int = 0
+        m: dict[str, torch.Tensor] = field(default_factory=dict)  # first moments, by parameter
+        v: dict[str, torch.Tensor] = field(default_factory=dict)  # second moments
 
     @torch.no_grad()
-    def apply(self, params, release, run):
-        run.undo_displacement()
+    def apply(self, params, release, ctx):
+        ctx.undo_displacement()
         grads = release.value.lift(params)
         b1, b2 = self.cfg.betas
-        self.t += 1
-        alpha = self.cfg.lr * math.sqrt(1 - b2 ** self.t) / (1 - b1 ** self.t)
+        s = self.state
+        s.t += 1
+        alpha = self.cfg.lr * math.sqrt(1 - b2 ** s.t) / (1 - b1 ** s.t)
         for k, x in params.items():
             g = grads[k].to(acc_dtype(x.dtype))
-            if k not in self.m:
-                self.m[k] = torch.zeros_like(g)
-                self.v[k] = torch.zeros_like(g)
-            m, v = self.m[k], self.v[k]
+            if k not in s.m:
+                s.m[k] = torch.zeros_like(g)
+                s.v[k] = torch.zeros_like(g)
+            m, v = s.m[k], s.v[k]
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
             step = m / (v.sqrt() + self.cfg.eps)
             if self.cfg.weight_decay:
                 x.mul_(1 - self.cfg.lr * self.cfg.weight_decay)
             x.sub_((alpha * step).to(x.dtype))
-
-    def state_dict(self):
-        return {"t": self.t, "m": dict(self.m), "v": dict(self.v)}
-
-    def load_state_dict(self, state):
-        self.t = int(state.get("t", 0))
-        self.m = dict(state.get("m", {}))
-        self.v = dict(state.get("v", {}))
 
 
 class DirectionalSGDParams(StageParams):
@@ -118,11 +108,11 @@ class DirectionalSGD(UpdateRule):
     Params = DirectionalSGDParams
 
     @torch.no_grad()
-    def apply(self, params, release, run):
+    def apply(self, params, release, ctx):
         agg = release.value
         tensors = [params[n] for n in agg.names]
         scale = -self.cfg.lr * agg.coeff
-        d = run.take_displacement()
+        d = ctx.take_displacement()
         if d is not None and d.direction == agg.direction and d.names == agg.names:
             scale -= d.scale  # restore x from x + d.scale·u in the same sweep
         elif d is not None:

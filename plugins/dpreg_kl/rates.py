@@ -26,7 +26,7 @@ def split(n_sqrt_rho: float, dim: int = 5, n: int | None = None) -> tuple[int, f
 def run_point(algorithm: str, *, power: float, n_sqrt_rho: float, seed: int, dim: int = 5, n: int | None = None,
               algorithm_params: dict | None = None) -> dict[str, Any]:
     """One full run; returns its excess risk, releases and spent ρ."""
-    from dpregistry.engine import Run
+    from dpregistry.run import Run
     from dpregistry.recipe import resolve
     from dpregistry.registry import get_registry
 

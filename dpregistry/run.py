@@ -1,0 +1,422 @@
+"""Building and checking a run: its stages, their context, and the plan against the budget.
+
+A :class:`Run` is made from a validated recipe. ``prepare()`` sets the objective up, binds the
+other stages to its parameters through a :class:`~dpregistry.context.Context`, checks that every
+stage's declared needs have a provider, calibrates the noise and refuses a plan that exceeds the
+budget, before anything is written. The run then serves the algorithm's step (a context per step,
+privatizing a batch across micro-batches and ranks, charging the accountant) and is what a
+checkpoint saves. :mod:`dpregistry.loop` takes the steps and :mod:`dpregistry.folder` writes
+them down.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from . import __version__
+from . import checkpoint as ckpt
+from .context import Context, Randomness, _StepServices
+from .distributed import LocalComm
+from .errors import BudgetExhausted, UserError
+from .privacy.accountant import Budget
+from .recipe import SECTIONS, Recipe
+from .rng import RunRNG
+from .stages import Charge, ClippedSum, Objective, Release, Stages
+
+#: stage kind -> its recipe section
+SECTION_OF = {kind: section for section, kind in SECTIONS.items()} | {"algorithm": "algorithm"}
+
+
+class Run:
+    """One training run: its stages, parameters, randomness and privacy ledger."""
+
+    def __init__(self, recipe: Recipe, *, comm=None):
+        self.recipe = recipe
+        self.comm = comm or LocalComm()
+        self.comm.micro_batch = recipe.train.micro_batch_size
+        p = recipe.privacy
+        self.budget = Budget(p.epsilon, p.delta, p.rho, p.relation)
+        self.relation = p.relation
+        try:
+            self.rng = RunRNG(recipe.seed, p.noise)
+        except UserError as e:
+            raise recipe.error(e.message, "privacy", "noise") from None
+        try:
+            self._device = torch.device(recipe.train.device)
+        except RuntimeError as e:
+            raise recipe.error(f"not a torch device ({str(e).splitlines()[0]})", "train", "device") from None
+        self._device_checked = False
+        self.folder = None                      # the run folder (dpregistry.folder), if any
+        self.step = 0
+        self.stop_reason: str | None = None
+        self.stop_signal: int | None = None     # the signal that stopped the run (the CLI exits 128 + it)
+        self.nonfinite_steps = 0
+        self.iterate_snapshot: dict[str, torch.Tensor] | None = None
+        self.log_window: list[dict[str, Any]] = []  # step metrics since the last logged row
+        self.history: list[dict[str, Any]] = []     # logged rows
+        self.bytes_logged = 0                       # payload bytes sent by the last logged row
+        self._sampled_charge_step: int | None = None  # see charge()
+
+        def make(kind):
+            entry, params = recipe.stages[kind]
+            return entry.cls(params)
+
+        self.algorithm = make("algorithm")
+        self.objective = make("objective")
+        self.sampler = make("sampler")
+        self.estimator = make("estimator")
+        self.privatizer = make("privatizer")
+        self.update_rule = make("update_rule")
+        self.accountant = make("accountant")
+        self.algorithm.stages = Stages(self.objective, self.sampler, self.estimator, self.privatizer,
+                                       self.update_rule, self.accountant)
+        self.params: dict[str, torch.Tensor] = {}
+        self.ctx = self.context()
+
+    # ------------------------------------------------------------------ stages and context
+
+    @property
+    def stages(self) -> dict[str, Any]:
+        return {"algorithm": self.algorithm, "objective": self.objective, "sampler": self.sampler,
+                "estimator": self.estimator, "privatizer": self.privatizer,
+                "update_rule": self.update_rule, "accountant": self.accountant}
+
+    @property
+    def n_train(self) -> int:
+        return self.objective.n_train
+
+    @property
+    def device(self) -> torch.device:
+        """The run's device, checked on first use: objectives resolve their model and data paths
+        before they place anything, so a missing model is reported even on a machine without the
+        device the recipe asks for."""
+        if not self._device_checked:
+            _check_device(self._device, self.recipe)
+            self._device_checked = True
+        return self._device
+
+    @property
+    def total_steps(self) -> int:
+        return self.algorithm.total_steps(self.ctx)
+
+    def context(self, step: int | None = None) -> Context:
+        """A context at ``step`` (default: the run's step) with fresh step services."""
+        step = self.step if step is None else step
+        return Context(step=step, params=self.params, _device=lambda: self.device, relation=self.relation,
+                       n_train=self.objective.n_train, rng=Randomness(self.rng), comm=self.comm,
+                       micro_batch_size=self.recipe.train.micro_batch_size, max_steps=self.recipe.train.steps,
+                       ledger=self.accountant.ledger, adaptive=self.algorithm.adaptive,
+                       _batch_size=lambda c: self.sampler.expected_batch_size(c),
+                       _services=_StepServices(lambda call: self.rng.noise(step, call)), _provider=self._provide)
+
+    def begin_step(self) -> Context:
+        """The context of the step about to be taken (its noise calls and displacement start afresh)."""
+        self.ctx = self.context()
+        return self.ctx
+
+    def _providers(self) -> dict[type, Any]:
+        out: dict[type, Any] = {Objective: self, Budget: self}
+        for kind, stage in self.stages.items():
+            for t in type(stage).provides:
+                if t in out:
+                    other = out[t].name if out[t] is not self else "the run"
+                    raise UserError(f"{t.__name__} is provided by both {other!r} and {kind} {stage.name!r}",
+                                    key=SECTION_OF[kind])
+                out[t] = stage
+        return out
+
+    def _provide(self, kind: type) -> Any:
+        provider = self._provider_map.get(kind)
+        if provider is None:
+            raise RuntimeError(f"no stage provides {kind.__name__}")
+        if provider is self:
+            return self.objective if kind is Objective else self.budget
+        return provider.provide(kind)
+
+    def _check_needs(self) -> None:
+        """Every type a stage declares in ``needs`` has a provider (checked before any setup)."""
+        self._provider_map = self._providers()
+        for kind, stage in self.stages.items():
+            for t in type(stage).needs:
+                if t not in self._provider_map:
+                    given = ", ".join(sorted(f"{c.__name__} ({'run' if s is self else s.name})"
+                                             for c, s in self._provider_map.items()))
+                    raise UserError(f"{kind} {stage.name!r} needs {t.__name__}, which no stage of this recipe "
+                                    f"provides (provided: {given})", key=SECTION_OF[kind])
+
+    # ------------------------------------------------------------------ preparing
+
+    def prepare(self) -> "Run":
+        """Load data and model, bind stages, calibrate noise and check the plan against the budget.
+
+        A UserError that a stage raises without a file is located in the recipe (file, line, key)."""
+        self._section: str | None = None
+        self._check_ranks_share_the_noise_key()
+        try:
+            self._check_needs()
+            self._prepare_stages()
+            self.device  # noqa: B018  (an objective that never placed a tensor still gets the check)
+        except UserError as e:
+            raise self.recipe.locate(e, self._section)
+        except (MemoryError, RuntimeError) as e:
+            if not _is_out_of_memory(e):
+                raise
+            # a model or data set sized by the recipe that does not fit: bad input, not a bug
+            raise self.recipe.locate(UserError(f"out of memory while building the run "
+                                               f"({str(e).splitlines()[0][:200]})"), self._section) from None
+        except OSError as e:  # preparing only reads: a data or model path the recipe names (too long, ...)
+            name = f" {e.filename}" if e.filename else ""
+            raise self.recipe.locate(UserError(f"cannot read{name} ({e.strerror or e})"), self._section) from None
+        except (ArithmeticError, ValueError) as e:
+            if not isinstance(e, ArithmeticError) and str(e) != "math domain error":
+                raise
+            # a stage's theory constants from absurd recipe numbers (stat_tol: 1e300 overflowed β³)
+            raise self.recipe.locate(UserError(f"a number of the recipe is out of range: computing with it failed "
+                                               f"({type(e).__name__}: {e})"), self._section) from None
+        return self
+
+    def _check_ranks_share_the_noise_key(self) -> None:
+        """Ranks resolve one recipe (checked first) and share the noise key: a rank with another key
+        would add other noise and cut its shard from another batch (a record summed twice). A secure
+        run's key is drawn by rank 0 and sent to the others once, here; keyed runs derive it from
+        DPREG_NOISE_KEY on every rank, which must agree."""
+        if self.comm.world_size == 1:
+            return
+        # Each rank loads the recipe itself (on several nodes, from its own copy): a rank with another
+        # clip would add an unaccounted-for sum to the all-reduce, and the ranks would not even drift.
+        mine = (self.recipe.hash, self.rng.noise_mode, self.rng.noise_fingerprint)
+        first = self.comm.broadcast_object(mine + (self.recipe.data,))
+        if self.comm.any_flag(first[0] != mine[0]):
+            key = _first_difference(first[3], self.recipe.data)
+            where = {"file": self.recipe.source, **(self.recipe.where(*key.split(".")) if key else {})}
+            what = f"{key} differs from rank 0's" if key else "another recipe" if first[0] != mine[0] else "as rank 0"
+            raise UserError(f"the ranks resolved different recipes (rank {self.comm.rank}: {what}); give every "
+                            f"rank the same recipe file and --set options", **where)
+        first = first[:3]
+        differs = first != mine
+        if self.comm.any_flag(differs):
+            raise UserError(f"the ranks do not share one DPREG_NOISE_KEY (rank {self.comm.rank}: "
+                            f"{'a different key' if differs else 'as rank 0'}); give every rank the same key")
+        if self.rng.noise_mode == "secure":
+            self.rng = RunRNG(self.recipe.seed, "secure", key=self.comm.broadcast_object(self.rng.key))
+
+    def _prepare_stages(self) -> None:
+        self._section = "objective"
+        self.objective.setup(self.context())
+        self._section = None
+        n = self.objective.n_train
+        if n <= 0:
+            raise UserError("the training data set is empty", file=self.recipe.source, key="data")
+        d = self.budget.delta
+        if d is not None and d >= 1.0 / n:
+            raise self.recipe.error(f"δ = {d:g} is not below 1/n = {1.0 / n:.3g}; such a δ allows publishing a "
+                                    f"record", "privacy", "delta")
+        self.params = self.objective.params()
+        if not self.params:
+            raise UserError("the model has no trainable parameters", file=self.recipe.source, key="objective")
+        self.ctx = self.context()
+        for kind, stage in self.stages.items():
+            if stage is not self.objective:
+                self._section = SECTION_OF[kind]
+                stage.setup(self.ctx)
+        for kind, stage in self.stages.items():
+            self._section = SECTION_OF[kind]
+            stage.validate(self.ctx)
+        self._section = None
+        self._calibrate_and_check()
+
+    def _calibrate_and_check(self) -> None:
+        if self.privatizer.calibrates:
+            if not (self.budget.epsilon and self.budget.delta) and self.budget.rho is None:
+                raise self.recipe.error("noise_multiplier: auto needs a privacy budget (privacy.epsilon and "
+                                        "privacy.delta, or rho)", "privatizer", "noise_multiplier")
+            ctx = self.context()
+            z = self.accountant.calibrate(lambda z: self.algorithm.plan(ctx, z))
+            self.privatizer.set_noise_multiplier(z)
+        self.check_plan()
+
+    def plan(self) -> list[Charge]:
+        """The charges of the rest of the run at the privatizer's noise multiplier."""
+        z = self.privatizer.noise_multiplier
+        return self.algorithm.plan(self.context(), z) if z is not None or not self.algorithm.adaptive else []
+
+    def check_plan(self) -> None:
+        """Refuse a run whose planned charges (on top of the ledger) exceed the budget."""
+        if self.algorithm.adaptive and not self.budget.is_set:
+            # A filter's guarantee holds for a budget fixed in advance; the sum of adaptively chosen
+            # costs is none (Rogers et al. 2016), so without one the filter would admit every charge.
+            raise self.recipe.error(f"algorithm {self.algorithm.name!r} chooses its noise adaptively: its privacy "
+                                    f"filter needs a budget set in advance (privacy.rho, or privacy.epsilon and "
+                                    f"privacy.delta)", "privacy")
+        plan = self.plan()
+        self.accountant.check_events(c.event for c in plan)
+        if self.budget.is_set and plan:
+            try:
+                self.accountant.approve(plan)
+            except BudgetExhausted:
+                spent = "the ledger so far and the rest of the plan" if self.accountant.ledger.entries else "the planned run"
+                raise self.recipe.error(f"{spent} spends {self.accountant.overspend(plan)}; raise the noise, lower "
+                                        f"the steps or the sampling rate, or set privatizer.noise_multiplier: auto",
+                                        "privacy") from None
+
+    # ------------------------------------------------------------------ step services
+
+    def charge(self, events) -> list[Charge]:
+        """Charge the accountant for this step's releases (it may refuse: BudgetExhausted)."""
+        if self.sampler.amplifies:
+            # A second release from the same secret batch, amplified on its own, would under-count:
+            # the releases of one batch are one sampled mechanism (Release.events holds them all).
+            if self._sampled_charge_step == self.step:
+                raise RuntimeError(f"step {self.step} charged twice on a {self.sampler.name!r} batch; charge every "
+                                   "release of a sampled batch in one Run.charge call")
+            self._sampled_charge_step = self.step
+        charges = self.sampler.account(self.step, list(events), self.ctx)
+        self.accountant.charge(charges, self.step)
+        return charges
+
+    def privatize_batch(self, indices: torch.Tensor) -> ClippedSum:
+        """Clip-and-sum every contribution of this rank's shard, and combine across ranks.
+
+        Contributions small enough to send (per-example scalars) are gathered first, so every rank
+        clips the whole batch in the single-process order; others all-reduce their clipped sums."""
+        total: ClippedSum | None = None
+        gathered = False
+        for contrib in self.estimator.contributions(self.objective, self.comm.shard(indices), self.ctx):
+            full = contrib.gather(self.comm) if self.comm.world_size > 1 else None
+            gathered = full is not None
+            part = self.privatizer.clip_sum(full if gathered else contrib)
+            total = part if total is None else total.add_(part)
+            del contrib, full  # free activations before the next micro-batch
+        if total is None:
+            raise RuntimeError(f"estimator {self.estimator.name!r} yielded no contribution")
+        return total if gathered else self.comm.all_reduce(total)
+
+    @staticmethod
+    def step_metrics(total: ClippedSum, release: Release) -> dict[str, float]:
+        m = {"batch_size": total.count,
+             "loss": total.loss_sum / max(total.count - total.nonfinite, 1),
+             "clipped_fraction": total.clipped / max(total.count, 1),
+             "nonfinite": total.nonfinite}
+        m.update(release.stats)
+        return m
+
+    def epsilon(self) -> float | None:
+        if self.budget.delta is None:
+            return None
+        return self.accountant.epsilon()
+
+    def output_params(self) -> dict[str, torch.Tensor]:
+        """The parameters the run outputs: an update rule's choice, the random iterate, or the last."""
+        out = self.update_rule.output(self.params, self.ctx)
+        if out is not None:
+            return out
+        if self.iterate_snapshot is not None:
+            return self.iterate_snapshot
+        return self.params
+
+    def train(self, progress: Callable | None = None) -> dict[str, Any]:
+        """Take the remaining steps (:func:`dpregistry.loop.train`) and return the summary."""
+        from .loop import train
+
+        return train(self, progress)
+
+    # ------------------------------------------------------------------ checkpoint content
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors, metadata) of a checkpoint: parameters, stage states, the ledger, counters."""
+        tensors: dict[str, torch.Tensor] = {f"params/{k}": v.detach().cpu() for k, v in self.params.items()}
+        stage_state = {kind: ckpt.split_state(s.state_dict(), f"state/{kind}", tensors)
+                       for kind, s in self.stages.items()}
+        if self.iterate_snapshot is not None:
+            for k, v in self.iterate_snapshot.items():
+                tensors[f"iterate/{k}"] = v.cpu()
+        meta = {"step": self.step, "recipe": self.recipe.data, "recipe_hash": self.recipe.hash,
+                "version": __version__, "format": CHECKPOINT_FORMAT, "state": stage_state,
+                "noise_multiplier": self.privatizer.noise_multiplier,
+                "noise": {"mode": self.rng.noise_mode, "key_fingerprint": self.rng.noise_fingerprint},
+                "nonfinite_steps": self.nonfinite_steps,
+                "log_window": [{k: v for k, v in m.items() if isinstance(v, (int, float))} for m in self.log_window],
+                "ledger": self.accountant.ledger.to_json()}
+        return tensors, meta
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        if meta.get("format", 1) != CHECKPOINT_FORMAT:
+            raise UserError(f"the checkpoint has format {meta.get('format', 1)}, this dpregistry reads format "
+                            f"{CHECKPOINT_FORMAT}; resume it with the version that wrote it")
+        if meta["recipe_hash"] != self.recipe.hash:
+            raise UserError("the checkpoint was written by a different recipe; resuming would change the "
+                            "results or the privacy guarantee", key="recipe")
+        noise = meta.get("noise") or {}
+        if noise.get("mode") != self.rng.noise_mode:
+            raise UserError(f"the checkpoint's noise mode {noise.get('mode')!r} is not the recipe's "
+                            f"{self.rng.noise_mode!r}; the checkpoint was not written by this run")
+        if noise.get("key_fingerprint") != self.rng.noise_fingerprint:
+            raise UserError("the run's privacy noise was keyed: set DPREG_NOISE_KEY to the same secret key to "
+                            "resume it (a different key would change the noise of the remaining steps)")
+        with torch.no_grad():
+            for k, v in self.params.items():
+                v.copy_(tensors[f"params/{k}"].to(v.device, v.dtype))
+        state = ckpt.join_state(meta["state"], tensors)
+        for kind, s in self.stages.items():
+            s.load_state_dict(_to_device(state.get(kind, {}), self.device))
+        self.step = int(meta["step"])
+        self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
+        self.log_window[:] = meta.get("log_window", [])  # the next row averages the same steps
+        if meta.get("noise_multiplier") is not None:
+            self.privatizer.set_noise_multiplier(meta["noise_multiplier"])
+        it = {k[len("iterate/"):]: v for k, v in tensors.items() if k.startswith("iterate/")}
+        self.iterate_snapshot = it or None
+        self.ctx = self.context()
+        self.check_plan()  # the remaining plan must still fit on top of the restored ledger
+
+
+#: the layout of a checkpoint's metadata and stage state (format 2: stage states are the fields
+#: of each stage's declared State)
+CHECKPOINT_FORMAT = 2
+
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed (torch's CPU allocator raises a plain RuntimeError)."""
+    return isinstance(e, (MemoryError, _OUT_OF_MEMORY)) or (
+        isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "not enough memory" in str(e)))
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """Stage state tensors live on the run's device (a checkpoint holds them on the CPU)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_device(v, device) for v in obj]
+    return obj
+
+
+def _first_difference(a: Any, b: Any, path: tuple = ()) -> str | None:
+    """The first key path (``privatizer.clip``) at which two resolved recipes differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b:
+                return ".".join(path + (k,))
+            found = _first_difference(a[k], b[k], path + (k,))
+            if found:
+                return found
+        return None
+    return None if a == b else ".".join(path) or None
+
+
+def _check_device(device: torch.device, recipe: Recipe) -> None:
+    if device.type == "cpu":
+        return
+    mod = torch.backends.mps if device.type == "mps" else getattr(torch, device.type, None)
+    available = getattr(mod, "is_available", None)
+    if available is None or not available():
+        raise recipe.error(f"device {str(device)!r} is not available on this machine", "train", "device")
+    count = getattr(mod, "device_count", lambda: 1)()
+    if device.index is not None and device.index >= count:
+        raise recipe.error(f"device {str(device)!r} does not exist ({count} {device.type} device(s) here)",
+                           "train", "device")
