@@ -47,7 +47,7 @@ def make_run(recipe: dict | str | Path, tmp_path: Path | None = None, sets=(), o
     """A prepared Run for a recipe dict/text/path (no output folder unless ``out``); ``registry``
     resolves the stage names (default: the installed plugins)."""
     from dpregistry.folder import start_run
-from dpregistry.run import Run
+    from dpregistry.run import Run
     from dpregistry.recipe import load
 
     if not isinstance(recipe, Path):

@@ -260,7 +260,7 @@ def test_only_rank_0_rewrites_the_metrics_on_resume(tmp_path):
     stopped with a storage error) and, on several nodes, wrote into rank 0's folder."""
     from conftest import make_run
     from dpregistry.distributed import LocalComm
-from dpregistry.folder import resume_run
+    from dpregistry.folder import resume_run
 
     out = tmp_path / "out"
     make_run(FO.replace("steps: 20", "steps: 10"), tmp_path, out=out).train()

@@ -517,7 +517,7 @@ def test_gradient_accumulation_does_not_change_the_result(tmp_path, monkeypatch)
 def test_resume_is_bit_identical(tmp_path):
     """Projected Adam's moments (and the step-derived seeds) survive a checkpoint and resume."""
     from dpregistry.folder import resume_run, start_run
-from dpregistry.run import Run
+    from dpregistry.run import Run
     from dpregistry.recipe import load
     from conftest import write_recipe
 
