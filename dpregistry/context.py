@@ -133,6 +133,30 @@ class Context:
         step 1 that a stage which declares ``kind`` in ``needs`` has exactly one provider."""
         return self._provider(kind)
 
+    @classmethod
+    def detached(cls, params: dict[str, torch.Tensor], *, step: int = 0, seed: int = 0, n_train: int = 0,
+                 relation: str = "replace_one", micro_batch_size: int | None = None, max_steps: int = 1,
+                 device: str | torch.device = "cpu", provides: dict[type, Any] | None = None,
+                 noise: str = "reproducible") -> "Context":
+        """A context outside any run, to drive one stage in a unit test: ``provides`` maps the types
+        stages ``need`` to values. Secret randomness is reproducible from ``seed`` by default."""
+        from .distributed import LocalComm
+        from .privacy.accountant import Ledger
+        from .rng import RunRNG
+
+        rng = RunRNG(seed, noise)
+        given = dict(provides or {})
+
+        def provide(kind):
+            if kind not in given:
+                raise RuntimeError(f"this detached context provides no {kind.__name__}")
+            return given[kind]
+
+        dev = torch.device(device)
+        return cls(step=step, params=params, _device=lambda: dev, relation=relation, n_train=n_train,
+                   rng=Randomness(rng), comm=LocalComm(), micro_batch_size=micro_batch_size, max_steps=max_steps,
+                   ledger=Ledger(), _services=_StepServices(lambda call: rng.noise(step, call)), _provider=provide)
+
     def at(self, step: int) -> "Context":
         """The same run at another step, outside it (for plans and for sampling at other steps)."""
         return replace(self, step=step, _services=_StepServices())

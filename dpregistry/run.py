@@ -73,7 +73,7 @@ class Run:
         self.algorithm.stages = Stages(self.objective, self.sampler, self.estimator, self.privatizer,
                                        self.update_rule, self.accountant)
         self.params: dict[str, torch.Tensor] = {}
-        self.ctx = self.context()
+        self._ctx = self.context()
 
     # ------------------------------------------------------------------ stages and context
 
@@ -111,10 +111,17 @@ class Run:
                        _batch_size=lambda c: self.sampler.expected_batch_size(c),
                        _services=_StepServices(lambda call: self.rng.noise(step, call)), _provider=self._provide)
 
+    @property
+    def ctx(self) -> Context:
+        """The context of the step in progress (``self.step``)."""
+        if self._ctx.step != self.step or self._ctx.params is not self.params:
+            self._ctx = self.context()
+        return self._ctx
+
     def begin_step(self) -> Context:
         """The context of the step about to be taken (its noise calls and displacement start afresh)."""
-        self.ctx = self.context()
-        return self.ctx
+        self._ctx = self.context()
+        return self._ctx
 
     def _providers(self) -> dict[type, Any]:
         out: dict[type, Any] = {Objective: self, Budget: self}
@@ -216,7 +223,7 @@ class Run:
         self.params = self.objective.params()
         if not self.params:
             raise UserError("the model has no trainable parameters", file=self.recipe.source, key="objective")
-        self.ctx = self.context()
+        self._ctx = self.context()
         for kind, stage in self.stages.items():
             if stage is not self.objective:
                 self._section = SECTION_OF[kind]
@@ -368,7 +375,7 @@ class Run:
             self.privatizer.set_noise_multiplier(meta["noise_multiplier"])
         it = {k[len("iterate/"):]: v for k, v in tensors.items() if k.startswith("iterate/")}
         self.iterate_snapshot = it or None
-        self.ctx = self.context()
+        self._ctx = self.context()
         self.check_plan()  # the remaining plan must still fit on top of the restored ledger
 
 

@@ -184,7 +184,7 @@ def test_uniform_sampler_charges_sampling_without_replacement(tmp_path):
     direct = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
     direct.compose(dpa.SampledWithoutReplacementDpEvent(N, BATCH, dpa.GaussianDpEvent(z / 2)), 5)
     assert run.epsilon() == pytest.approx(direct.get_epsilon(1e-5), rel=1e-12)
-    assert all(len(run.sampler.indices(t, run).unique()) == BATCH for t in range(3))
+    assert all(len(run.sampler.indices(run.ctx.at(t)).unique()) == BATCH for t in range(3))
     with pytest.raises(UserError, match="cannot account 'sampled_without_replacement'"):
         make_run(recipe(sampler={"name": "uniform", "batch_size": BATCH}, accountant="pld"), tmp_path)
     with pytest.raises(UserError, match="replace-one"):

@@ -4,6 +4,8 @@ filters at recipe validation; an adaptive run stops cleanly when its filter refu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import math
 from fractions import Fraction
 
@@ -168,22 +170,23 @@ class TinyAdaptive(Algorithm):
         "accountant": {"name": "zcdp"},
     }
 
-    def plan(self, run, noise_multiplier):
+    @dataclass
+    class State:
+        last_norm: float = 1.0
+
+    def plan(self, ctx, noise_multiplier):
         return []
 
-    def total_steps(self, run):
+    def total_steps(self, ctx):
         return 10_000  # the filter decides when to stop
 
-    def setup(self, run):
-        self.last_norm = 1.0
-
     def step(self, run):
-        total = run.privatize_batch(run.sampler.indices(run.step, run))
-        std = run.privatizer.cfg.clip * (2.0 + 4.0 / (1.0 + self.last_norm))  # from a release: public
-        release = run.privatizer.release(total, run, std=std)
+        total = run.privatize_batch(run.sampler.indices(run.ctx))
+        std = run.privatizer.cfg.clip * (2.0 + 4.0 / (1.0 + self.state.last_norm))  # from a release: public
+        release = run.privatizer.release(total, run.ctx, std=std)
         run.charge(release.events)
-        self.last_norm = float(sum(t.norm() ** 2 for t in release.value.tensors.values()) ** 0.5)
-        run.update_rule.apply(run.params, release, run)
+        self.state.last_norm = float(sum(t.norm() ** 2 for t in release.value.tensors.values()) ** 0.5)
+        run.update_rule.apply(run.params, release, run.ctx)
         return StepResult(run.step_metrics(total, release))
 
 

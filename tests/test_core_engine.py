@@ -96,10 +96,10 @@ def test_plan_over_budget_is_refused_before_the_first_step(tmp_path):
 def test_calibrated_noise_meets_the_budget_tightly(tmp_path):
     run = make_run(RECIPE, tmp_path)
     z = run.privatizer.noise_multiplier
-    plan = run.algorithm.plan(run, z)
+    plan = run.algorithm.plan(run.ctx, z)
     eps = run.accountant.epsilon(extra=plan)
     assert eps <= 8.0 and eps > 8.0 * 0.999
-    assert run.accountant.epsilon(extra=run.algorithm.plan(run, z * 0.99)) > 8.0
+    assert run.accountant.epsilon(extra=run.algorithm.plan(run.ctx, z * 0.99)) > 8.0
 
 
 def test_every_step_is_charged(tmp_path):

@@ -104,8 +104,7 @@ def test_noise_has_the_calibrated_scale(tmp_path):
     draws = []
     for step in range(400):
         run.step = step
-        run._noise_calls = 0
-        rel = run.privatizer.release(zero.__class__(zero.aggregate.clone(), count=1), run)
+        rel = run.privatizer.release(zero.__class__(zero.aggregate.clone(), count=1), run.begin_step())
         draws.append(torch.cat([t.flatten() for t in rel.value.tensors.values()]))
     z = torch.cat(draws)
     std = z.std().item()

@@ -78,20 +78,20 @@ class DoubledGaussian(Privatizer):
     name = "{name}"
     Params = Params
 
-    def setup(self, run):
+    def setup(self, ctx):
         self.noise_multiplier = 2 * self.cfg.noise_multiplier
 
     def clip_sum(self, contribution):
         return clip_and_sum(contribution, self.cfg.clip)
 
-    def planned_events(self, z, run):
-        return [Gaussian(std=z * self.cfg.clip, sensitivity=clipped_sum_sensitivity(self.cfg.clip, run.relation))]
+    def planned_events(self, z, ctx):
+        return [Gaussian(std=z * self.cfg.clip, sensitivity=clipped_sum_sensitivity(self.cfg.clip, ctx.relation))]
 
-    def release(self, total, run, *, std=None):
+    def release(self, total, ctx, *, std=None):
         std = self.noise_multiplier * self.cfg.clip if std is None else std
-        total.aggregate.add_noise_(std, run.noise())
-        total.aggregate.mul_(1 / run.sampler.expected_batch_size(run))
-        return Release(total.aggregate, self.planned_events(std / self.cfg.clip, run))
+        total.aggregate.add_noise_(std, ctx.noise())
+        total.aggregate.mul_(1 / ctx.expected_batch_size())
+        return Release(total.aggregate, self.planned_events(std / self.cfg.clip, ctx))
 
 
 @hookimpl

@@ -166,7 +166,7 @@ def test_keyed_and_secure_modes_sample_batches_nobody_can_regenerate_from_the_re
     from dpregistry.rng import NOISE_KEY_ENV
 
     def batches(run):
-        return [run.sampler.indices(t, run) for t in range(4)]
+        return [run.sampler.indices(run.ctx.at(t)) for t in range(4)]
 
     def mode(name):
         return dict(recipe, privacy=dict(recipe["privacy"], noise=name))
@@ -208,7 +208,7 @@ def test_secure_mode_ranks_share_the_key_once_and_draw_the_same_batches_and_nois
     assert ranks[0].rng.key == ranks[1].rng.key
     sent = [c.broadcasts for c in comms]
     for t in range(3):
-        a, b = (run.sampler.indices(t, run) for run in ranks)
+        a, b = (run.sampler.indices(run.ctx.at(t)) for run in ranks)
         assert torch.equal(a, b)
         x, y = (run.rng.noise(t, 0).randn((50,)) for run in ranks)
         assert torch.equal(x, y)
@@ -248,11 +248,11 @@ def test_an_embedding_that_renormalises_its_rows_in_the_forward_pass_is_refused(
     from dpregistry.objectives import TorchObjective
 
     class Renorm(TorchObjective):
-        def build(self, run):
+        def build(self, ctx):
             self.model = model
 
     with pytest.raises(UserError, match="max_norm"):
-        Renorm().setup(run=None)
+        Renorm().setup(None)
 
 
 # -- per-example gradients: a layer's rows must each belong to one example ------------------------

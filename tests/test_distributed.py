@@ -213,17 +213,17 @@ def test_a_rank_without_examples_gathers_in_the_dtype_of_the_others(tmp_path):
 
 SIGNAL_RANK0_IN_CHECKPOINT = """\
 import os, signal, sys
-from dpregistry import cli, engine
+from dpregistry import cli, folder
 
-save = engine.Run.save_checkpoint
+save = folder.RunFolder.save_checkpoint
 
-def save_then_signal(run):
-    path = save(run)
+def save_then_signal(self, run):
+    path = save(self, run)
     if run.comm.rank == 0 and run.step == 5 and not run.stop_reason:
         os.kill(os.getpid(), signal.SIGTERM)  # reaches rank 0 alone, after the step's stop vote
     return path
 
-engine.Run.save_checkpoint = save_then_signal
+folder.RunFolder.save_checkpoint = save_then_signal
 sys.argv = ["dpreg", *sys.argv[1:]]
 cli.main()
 """

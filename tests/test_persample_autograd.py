@@ -2,7 +2,7 @@
 autograd, on small random-init transformers and on models that share or reuse a tensor.
 
 Each model goes through ``per_example_grad`` (hooks backend) or ``projected_per_example_grad``
-exactly as a run drives them: ``setup(run)``, then ``contributions(objective, indices, run)``, then
+exactly as a run drives them: ``setup(ctx)``, then ``contributions(objective, indices, ctx)``, then
 the privatizers' ``clip_and_sum``. The reference differentiates each example's loss on its own
 (one autograd backward per example), so it shares nothing with the hooks, the ghost norms, the
 cross terms of shared tensors or the book-keeping sums. The clip is the median reference norm,
@@ -12,17 +12,16 @@ the example wrongly, and either moves the clipped sum. Everything runs in fp64.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dpregistry import UserError
+from dpregistry import Objective as ObjectiveStage
 from dpregistry.clipping import clip_and_sum
 from dpregistry.persample import MAX_CROSS_PIECES
-from dpregistry.rng import RunRNG
+from dpregistry.context import Context
 from dpreg_baseline.estimators import PerExampleGrad
 from dpreg_grape.estimators import ProjectedPerExampleGrad
 from dpreg_grape.projection import LayerSelection
@@ -53,15 +52,15 @@ class Objective:
 
 def setup(model, objective, grape=None, micro=None):
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    run = SimpleNamespace(objective=objective, params=params, rng=RunRNG(0), step=0,
-                          recipe=SimpleNamespace(train=SimpleNamespace(micro_batch_size=micro)))
+    ctx = Context.detached(params, micro_batch_size=micro, n_train=objective.n_train,
+                           provides={ObjectiveStage: objective})
     if grape is None:
         est = PerExampleGrad(PerExampleGrad.Params(backend="hooks"))
     else:
         est = ProjectedPerExampleGrad(ProjectedPerExampleGrad.Params(rank=grape, projector="gaussian",
                                                                      project=LayerSelection(exclude=[])))
-    est.setup(run)
-    return est, run
+    est.setup(ctx)
+    return est, ctx
 
 
 def reference(objective, params, n):

@@ -77,7 +77,7 @@ class CanaryRegression(TorchObjective):
     name = "audit_canary"
     Params = CanaryParams
 
-    def build(self, run):
+    def build(self, ctx):
         p = self.cfg
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(p.n, p.features, generator=g)
@@ -180,7 +180,7 @@ class Stages:
         sampler, run = self.run.sampler, self.run
         if not self.secret_sampling:
             count = 1
-        self._batches += [sampler.indices(t, run) for t in range(len(self._batches), count)]
+        self._batches += [sampler.indices(run.ctx.at(t)) for t in range(len(self._batches), count)]
         return self._batches[:count]
 
     @property
@@ -192,24 +192,24 @@ class Stages:
         run = self.run
         run.estimator.reset()
         total = run.privatize_batch(indices)
-        run.undo_displacement()  # a zeroth-order estimator leaves x − λu for the update rule
+        run.ctx.undo_displacement()  # a zeroth-order estimator leaves x − λu for the update rule
         return total
 
     def release(self, total: ClippedSum) -> Release:
         self.run.privatizer.reset()
-        return self.run.privatizer.release(total, self.run)
+        return self.run.privatizer.release(total, self.run.begin_step())
 
     def claimed_epsilon(self, release: Release) -> float:
         """ε at δ of one release, from its own events through the run's sampler and accountant."""
         run = self.run
-        charges = run.sampler.account(run.step, release.events, run)
+        charges = run.sampler.account(run.step, release.events, run.ctx)
         return run.accountant.epsilon(DELTA, extra=charges)
 
     @contextmanager
     def noise_scaled(self, factor: float):
-        source = self.run.noise
+        source = self.run.rng.noise
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(self.run, "noise", lambda: Scaled(source(), factor))
+            mp.setattr(self.run.rng, "noise", lambda step, call: Scaled(source(step, call), factor))
             yield
 
 

@@ -91,7 +91,7 @@ def assert_same_run(a: Path, b: Path) -> None:
 def test_a_forward_pass_that_fails_leaves_no_trace(recipe, fault, tmp_path):
     run = make_run(recipe, tmp_path)
     for _ in range(2):  # two good steps, then the fault in the third
-        run._noise_calls = 0
+        run.begin_step()
         run.algorithm.step(run)
         run.step += 1
     before, charges = params_of(run), run.accountant.ledger.n_charges
@@ -235,9 +235,9 @@ def test_no_algorithm_applies_a_step_without_its_charge(name, tmp_path):
     if isinstance(recipe, list):
         pytest.fail(f"no small recipe fits algorithm {name!r}: {recipe[-1]}")
     run = make_run(recipe[0], tmp_path, sets=recipe[1]) if isinstance(recipe, tuple) else make_run(recipe, tmp_path)
-    run._noise_calls = 0
+    run.begin_step()
     run.algorithm.step(run)  # one good step (stateful algorithms get past their first-step setup)
-    run.undo_displacement()
+    run.ctx.undo_displacement()
     run.step += 1
     before, charges = params_of(run), run.accountant.ledger.n_charges
 
@@ -282,14 +282,14 @@ def poison(run, mode: str, every: int = 5):
                          ids=["first_order-loss", "first_order-gradient", "zeroth_order-loss"])
 def test_nonfinite_examples_are_zeroed_before_clipping(recipe, mode, tmp_path):
     run = make_run(recipe, tmp_path)
-    idx = run.sampler.indices(0, run)
+    idx = run.sampler.indices(run.ctx)
     clean_idx = idx[idx % 5 != 0]
     assert len(clean_idx) < len(idx)
     x0 = params_of(run)
 
     def privatize(indices):
         total = run.privatize_batch(indices)
-        run.take_displacement()
+        run.ctx.take_displacement()
         with torch.no_grad():  # back to exactly x (undoing x − λu in floats is only close)
             for k, v in run.params.items():
                 v.copy_(x0[k])
@@ -346,20 +346,20 @@ def test_the_cli_reports_a_nonfinite_stop_in_one_line(tmp_path, monkeypatch):
 
 def test_a_full_disk_at_a_checkpoint_is_one_clear_line_and_keeps_the_last_one(reference, tmp_path, monkeypatch):
     """The kernel's ENOSPC: the temporary file of the step-6 checkpoint is /dev/full."""
-    from dpregistry.run import Run
+    from dpregistry.folder import RunFolder
 
     recipe, ref_out = reference
     out = tmp_path / "out"
-    real = Run.save_checkpoint
+    real = RunFolder.save_checkpoint
 
-    def disk_full_at_step_6(self):
-        if self.step == 6:
+    def disk_full_at_step_6(self, run):
+        if run.step == 6:
             files.temp_path(ckpt.checkpoint_path(out / "checkpoints", 6)).symlink_to("/dev/full")
-        return real(self)
+        return real(self, run)
 
-    monkeypatch.setattr(Run, "save_checkpoint", disk_full_at_step_6)
+    monkeypatch.setattr(RunFolder, "save_checkpoint", disk_full_at_step_6)
     res = dpreg("run", recipe, "--out", out, "-q")
-    monkeypatch.setattr(Run, "save_checkpoint", real)
+    monkeypatch.setattr(RunFolder, "save_checkpoint", real)
     FAULTS["injected"] += 1
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "No space left on device" in res.stderr and "last good checkpoint (step 4) is kept" in res.stderr
