@@ -46,3 +46,10 @@ def dpreg_register_accountants(register):
 @hookspec
 def dpreg_register_algorithms(register):
     """Register algorithms: named presets that fix stages and the control flow of a step."""
+
+
+@hookspec
+def dpreg_register_grad_samplers(register):
+    """Register per-example gradients of a layer type: ``register(LayerType, handler)`` with a
+    :class:`dpregistry.persample.LayerHandler` (the built-in Linear, Conv1d/2d, Embedding and
+    LayerNorm handlers are registered this way). Called when per-example gradients are first needed."""

@@ -450,16 +450,22 @@ class FunctionalHandler(LayerHandler):
         return {k: v.to(acc_dtype(v.dtype)) for k, v in grads.items()}
 
 
-HANDLERS: list[LayerHandler] = [LinearHandler(), EmbeddingHandler(), LayerNormHandler(), ConvHandler()]
 FUNCTIONAL = FunctionalHandler()
 
 
+def register_builtin_layers(register) -> None:
+    """The layers dpregistry serves itself, registered through ``dpreg_register_grad_samplers``
+    like a plugin's (see :mod:`dpregistry.hookspecs`)."""
+    for handler in (LinearHandler(), EmbeddingHandler(), LayerNormHandler(), ConvHandler()):
+        for layer in handler.types:
+            register(layer, handler)
+
+
 def handler_for(module: nn.Module) -> LayerHandler | None:
-    """The handler of a module type (exact types: a subclass may change the forward)."""
-    for h in HANDLERS:
-        if type(module) in h.types:
-            return h
-    return None
+    """The registered handler of a module's exact type (a subclass may change the forward)."""
+    from .registry import get_registry
+
+    return get_registry().grad_samplers().get(type(module))
 
 
 def check_forward_is_pure(model: nn.Module) -> None:

@@ -128,12 +128,45 @@ class Broken:
         return (f"plugin {self.plugin!r} of {self.distribution} failed to load and is skipped: {self.error}")
 
 
+class _BuiltinLayers:
+    """dpregistry's own per-example gradient handlers, registered like a plugin's."""
+
+    @hookspecs.hookimpl
+    def dpreg_register_grad_samplers(self, register):
+        from .persample import register_builtin_layers
+
+        register_builtin_layers(register)
+
+
 class Registry:
     def __init__(self):
         self.pm = pluggy.PluginManager("dpregistry")
         self.pm.add_hookspecs(hookspecs)
+        self.pm.register(_BuiltinLayers(), name="dpregistry")
         self.entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
         self.broken: list[Broken] = []
+        self._grad_samplers: dict[type, tuple[Any, str]] | None = None
+
+    def grad_samplers(self) -> dict[type, Any]:
+        """Layer type -> the handler of its per-example gradients, from every plugin's
+        ``dpreg_register_grad_samplers`` (collected on first use: it imports torch). Two plugins
+        claiming one layer type are an error that names both."""
+        if self._grad_samplers is None:
+            table: dict[type, tuple[Any, str]] = {}
+            for impl in self.pm.hook.dpreg_register_grad_samplers.get_hookimpls():
+                origin = impl.plugin_name
+
+                def register(layer: type, handler: Any, origin=origin) -> None:
+                    if not isinstance(layer, type):
+                        raise TypeError(f"{origin}: register(LayerType, handler) got {layer!r}")
+                    if layer in table:
+                        raise PluginConflict(f"per-example gradients of {layer.__name__} are registered twice: by "
+                                             f"{table[layer][1]} and by {origin}")
+                    table[layer] = (handler, origin)
+
+                impl.function(register=register)  # bound to its plugin: one origin per call
+            self._grad_samplers = table
+        return {layer: h for layer, (h, _) in self._grad_samplers.items()}
 
     def load_entry_points(self) -> "Registry":
         """Load every plugin of the entry-point group. A plugin that raises is recorded in
@@ -166,6 +199,7 @@ class Registry:
             raise
         for e in pending:
             self.entries[e.kind][e.name] = e
+        self._grad_samplers = None  # collected again, with this plugin's layers, when next needed
 
     def _registrar(self, kind: str, origin: str, plugin: str, pending: list[Entry]):
         def register(cls: type | str, name: str | None = None) -> None:
