@@ -129,6 +129,8 @@ def load_recipe(path: str, sets):
 def _train(run, quiet: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from .progress import showing
+
     total = run.total_steps
     caveat = "" if run.rng.guarantee else " (no guarantee: reproducible noise)"
     state = {"t0": time.time(), "s0": run.step, "loss": float("nan"), "eps": run.epsilon()}
@@ -151,7 +153,30 @@ def _train(run, quiet: bool):
             prog.update(task, completed=r.step, rate=(r.step - state["s0"]) / dt, loss=state["loss"],
                         eps="-" if eps is None else f"{eps:.3g}{caveat}")
 
-        return run.train(progress=update)
+        def tracker(items, total, description):
+            """A stage's long loop (an evaluation) as a bar of its own under the run's, gone when done."""
+            sub = prog.add_task(description, total=total, rate=0.0, loss=float("nan"), eps="")
+            try:
+                for item in items:
+                    yield item
+                    prog.advance(sub)
+            finally:
+                prog.remove_task(sub)
+
+        with showing(tracker):
+            return run.train(progress=update)
+
+
+def _spent(run) -> str:
+    """What a run's ledger has spent, against its budget, in words."""
+    s = run.accountant.spent()
+    if s.get("epsilon") is not None:
+        of = f" of {run.budget.epsilon:g}" if run.budget.epsilon else ""
+        return f"ε = {s['epsilon']:.4g}{of} at δ = {s.get('delta'):g}"
+    if s.get("rho") is not None:
+        of = f" of {s['target_rho']:.4g}" if s.get("target_rho") is not None else ""
+        return f"ρ = {s['rho']:.4g}{of}"
+    return f"{run.accountant.ledger.n_charges} charges"
 
 
 def _print_summary(summary: dict, out: Path | None) -> None:
@@ -301,6 +326,9 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
                     console.print(f"the run already finished at step {r.step}")
                 summary = finish(r, time.time())
             else:
+                if rank0:
+                    console.print(f"resuming {escape(str(run_dir))} at step {r.step} of {r.total_steps}; "
+                                  f"spent so far: {_spent(r)}", highlight=False)
                 summary = _train(r, quiet or not rank0)
         _leave(comm)
     if rank0:
@@ -312,6 +340,9 @@ def _exit_if_stopped(run_, out: Path | None) -> None:
     """A run stopped by a signal exits 128 + the signal (as shells report it); one stopped by the
     non-finite limit exits 1. Both wrote a final checkpoint; `dpreg resume` continues them."""
     if run_.stop_signal is not None:
+        if out is not None and run_.comm.rank == 0:
+            err.print(f"{escape(run_.stop_reason or 'stopped')}; resume with: dpreg resume {escape(str(out))}",
+                      highlight=False, soft_wrap=True)
         raise typer.Exit(128 + int(run_.stop_signal))
     if run_.stop_reason and run_.nonfinite_steps > run_.recipe.train.max_nonfinite_steps:
         say_error(f"{out}: {run_.stop_reason}; the final checkpoint is written")

@@ -220,11 +220,15 @@ def test_sigint_and_sigterm_write_a_checkpoint_and_exit_cleanly(sig, reference, 
     assert "Traceback" not in child.output()
     s = json.loads((out / "summary.json").read_text())
     assert s["stopped"] == f"stopped by {signal.Signals(sig).name}"
-    assert "stopped by" in child.output()
+    said = " ".join(child.output().split())
+    assert f"{signal.Signals(sig).name}: stopping after the current step" in said  # at once, before the stop
+    assert f"resume with: dpreg resume {out}" in said
     tensors, meta = ckpt.read(ckpt.checkpoint_path(out / "checkpoints", s["step"]))  # the final checkpoint
     assert meta["step"] == s["step"] and sum(e["count"] for e in meta["ledger"]) == s["step"]
     assert not (out / ".lock").exists()
-    assert crashkit.run_to_end(["resume", out, "-q"], log) == 0, log.read_text()[-3000:]
+    assert crashkit.run_to_end(["resume", out], log) == 0, log.read_text()[-3000:]
+    said = " ".join(log.read_text().split())
+    assert f"at step {s['step']} of" in said and f"spent so far: ε = {s['epsilon']:.4g}" in said
     assert_same_run(ref_out, out)
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from dpregistry import StageParams, UserError
 from dpregistry.data import k_shot, load_table, load_tabular
+from dpregistry.progress import track
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, require_memory, seeded
 from dpregistry.stages import Objective
 
@@ -245,7 +246,8 @@ class HFTextClassification(TorchObjective):
     @torch.no_grad()
     def evaluate(self, batch_size: int = 128):
         correct, loss = 0, 0.0
-        for s in range(0, len(self.test_tok), batch_size):
+        starts = range(0, len(self.test_tok), batch_size)
+        for s in track(starts, len(starts), "held-out evaluation"):
             ids, mask = self._pad(self.test_tok[s:s + batch_size])
             logits = self._logits(ids, mask).float()
             y = self.y_test[s:s + batch_size]
