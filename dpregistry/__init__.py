@@ -20,7 +20,8 @@ from .hookspecs import hookimpl  # noqa: E402
 #: public name -> the module that defines it (a module itself when the name is the module's)
 _LAZY = {
     **dict.fromkeys(["Algorithm", "Charge", "ClippedSum", "Estimator", "Objective", "Privatizer", "Release",
-                     "Sampler", "Stage", "StageParams", "StepResult", "UpdateRule"], ".stages"),
+                     "Sampler", "Stage", "StageParams", "Stages", "StepResult", "UpdateRule"], ".stages"),
+    "Context": ".context",
     "Accountant": ".privacy.accountant",
     "Budget": ".privacy.accountant",
     "StagePlugin": ".registry",
@@ -47,5 +48,5 @@ __all__ = [
     "__version__", "hookimpl", "UserError", "BudgetExhausted",
     "Stage", "StageParams", "Objective", "Sampler", "Estimator", "Privatizer", "UpdateRule",
     "Accountant", "Algorithm", "Budget", "Charge", "ClippedSum", "Release", "StepResult",
-    "events", "spaces", "StagePlugin",
+    "Stages", "Context", "events", "spaces", "StagePlugin",
 ]
