@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -66,13 +66,6 @@ err = Console(stderr=True)
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a recipe key: key.path=value")]
 
 
-def _quiet_libraries() -> None:
-    """Keep library chatter out of the output (read by transformers when it is first imported)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-
 def say_error(msg: str) -> None:
     """One line on stderr; the message is printed literally (it may contain brackets)."""
     err.print(f"[bold red]error:[/] {escape(msg.replace(chr(10), ' '))}", highlight=False, soft_wrap=True)
@@ -95,88 +88,15 @@ def user_errors():
         fail(UserError(f"cannot use this path ({e.strerror or e})", file=str(e.filename)))
 
 
-def recipes_dirs() -> list[Path]:
-    here = Path(__file__).resolve().parent
-    return [here.parent / "recipes", Path(sys.prefix) / "share" / "dpregistry" / "recipes"]
-
-
-def find_recipe(name: str) -> Path:
-    """A recipe path, or the name of a recipe shipped with dpregistry (``quickstart``)."""
-    p = Path(name)
-    try:
-        if p.exists() or p.suffix in (".yaml", ".yml") and p.parent != Path("."):
-            return p
-        for d in recipes_dirs():
-            for cand in (d / name, d / f"{name}.yaml"):
-                if cand.exists():
-                    return cand
-    except OSError:  # a name too long to be a file: reading it says so
-        pass
-    return p
-
-
 def load_recipe(path: str, sets):
-    from .recipe import load
+    from .api import load_recipe
 
-    return load(find_recipe(path), sets or [])
+    return load_recipe(path, sets)
 
 
 # ------------------------------------------------------------------------------------------
 # training
 # ------------------------------------------------------------------------------------------
-
-
-def _train(run, quiet: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from .progress import showing
-
-    total = run.total_steps
-    caveat = "" if run.rng.guarantee else " (no guarantee: reproducible noise)"
-    state = {"t0": time.time(), "s0": run.step, "loss": float("nan"), "eps": run.epsilon()}
-    if quiet or not run.recipe.train.progress:
-        return run.train()
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[rate]:>6.1f} steps/s"), TextColumn("loss {task.fields[loss]:.4g}"),
-               TextColumn("ε {task.fields[eps]}"), TimeRemainingColumn()]
-    with Progress(*columns, console=console, transient=False) as prog:
-        task = prog.add_task(run.algorithm.name, total=total, completed=run.step, rate=0.0,
-                             loss=float("nan"), eps="-")
-
-        def update(r, metrics):
-            if "loss" in metrics:
-                state["loss"] = metrics["loss"]
-            if r.history and r.history[-1]["step"] == r.step:
-                state["eps"] = r.history[-1].get("epsilon")
-            dt = max(time.time() - state["t0"], 1e-9)
-            eps = state["eps"]
-            prog.update(task, completed=r.step, rate=(r.step - state["s0"]) / dt, loss=state["loss"],
-                        eps="-" if eps is None else f"{eps:.3g}{caveat}")
-
-        def tracker(items, total, description):
-            """A stage's long loop (an evaluation) as a bar of its own under the run's, gone when done."""
-            sub = prog.add_task(description, total=total, rate=0.0, loss=float("nan"), eps="")
-            try:
-                for item in items:
-                    yield item
-                    prog.advance(sub)
-            finally:
-                prog.remove_task(sub)
-
-        with showing(tracker):
-            return run.train(progress=update)
-
-
-def _spent(run) -> str:
-    """What a run's ledger has spent, against its budget, in words."""
-    s = run.accountant.spent()
-    if s.get("epsilon") is not None:
-        of = f" of {run.budget.epsilon:g}" if run.budget.epsilon else ""
-        return f"ε = {s['epsilon']:.4g}{of} at δ = {s.get('delta'):g}"
-    if s.get("rho") is not None:
-        of = f" of {s['target_rho']:.4g}" if s.get("target_rho") is not None else ""
-        return f"ρ = {s['rho']:.4g}{of}"
-    return f"{run.accountant.ledger.n_charges} charges"
 
 
 def _print_summary(summary: dict, out: Path | None) -> None:
@@ -207,13 +127,6 @@ def _print_summary(summary: dict, out: Path | None) -> None:
     console.print(t)
 
 
-def _comm():
-    """The torch.distributed communicator when torchrun launched us, else None."""
-    from .distributed import init_from_env, launched_by_torchrun
-
-    return init_from_env() if launched_by_torchrun() else None
-
-
 def _relaunch(nproc: int) -> None:
     """`dpreg run --nproc N ...`: the same command under torchrun on this node."""
     import subprocess
@@ -240,61 +153,17 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
         quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
         nproc: Annotated[int, typer.Option("--nproc", help="data-parallel processes on this node (torchrun)")] = 1):
     """Train privately with RECIPE; writes metrics.jsonl, summary.json and checkpoints/ under --out."""
-    from .folder import check_out, claim, default_out, start_run
-    from .run import Run
+    from .api import train
+    from .folder import default_out
 
     if nproc < 1:
         fail(UserError("--nproc must be at least 1"))
     if nproc > 1:
         _relaunch(nproc)
-    _quiet_libraries()
     with user_errors():
-        comm = _comm()
-        rank0 = comm is None or comm.rank == 0
-        r = load_recipe(recipe, set_)
-        out_dir = _on_rank0_for_all(comm, lambda: check_out(out or default_out(recipe), overwrite))
-        # Everything that can fail on bad input happens before the folder is touched.
-        prepared = Run(r, comm=comm).prepare()
-        with ExitStack() as held:
-            _on_rank0_for_all(comm, lambda: claim(out_dir, overwrite, held))
-            run_ = start_run(prepared, out_dir)
-            summary = _train(run_, quiet or not rank0)
-        _leave(comm)
-    if rank0:
-        _print_summary(summary, out_dir)
-    _exit_if_stopped(run_, out_dir)
-
-
-def _on_rank0_for_all(comm, fn):
-    """fn() on rank 0 (the folder, its lock), its result or its refusal on every rank: a refusal
-    on rank 0 alone would leave the others waiting in the first collective until they time out."""
-    result, problem = None, None
-    if comm is None or comm.rank == 0:
-        try:
-            result = fn()
-        except UserError as e:
-            if comm is None:
-                raise
-            problem = e
-    if comm is not None:
-        message, result = comm.broadcast_object((str(problem) if problem else None, result))
-        if problem is not None:
-            raise problem
-        if message:
-            raise UserError(message)
-    return result
-
-
-def _leave(comm) -> None:
-    """Ranks leave together (rank 0 has written the outputs) and tear the process group down
-    before interpreter shutdown does: a rank that exits while a peer still works can abort in
-    gloo's threads ("terminate called without an active exception")."""
-    if comm is None:
-        return
-    import torch.distributed as dist
-
-    comm.barrier()
-    dist.destroy_process_group()
+        result = train(recipe, set=set_, out=out or default_out(recipe), overwrite=overwrite, verbose=not quiet,
+                       console=console)
+    _finish(result)
 
 
 @app.command()
@@ -303,37 +172,18 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
            max_nonfinite_steps: Annotated[Optional[int], typer.Option(
                "--max-nonfinite-steps", min=0, help="raise train.max_nonfinite_steps of a run stopped at it")] = None):
     """Continue a run from its newest valid checkpoint (the privacy ledger continues too)."""
-    from .folder import not_a_run_folder, resume_run, run_lock
-    from .loop import finish
+    from .api import resume
 
-    _quiet_libraries()
     with user_errors():
-        comm = _comm()
-        rank0 = comm is None or comm.rank == 0
-        if not run_dir.is_dir():
-            raise UserError("run folder not found", file=str(run_dir))
-        if not (run_dir / "recipe.json").exists():
-            raise not_a_run_folder(run_dir)
-        with ExitStack() as held:
-            def lock():
-                held.enter_context(run_lock(run_dir))
+        result = resume(run_dir, verbose=not quiet, max_nonfinite_steps=max_nonfinite_steps, console=console,
+                        warn=lambda m: err.print(escape(m), style="yellow"))
+    _finish(result)
 
-            _on_rank0_for_all(comm, lock)
-            r = resume_run(run_dir, comm=comm, warn=lambda m: err.print(escape(m), style="yellow") if rank0 else None,
-                           max_nonfinite_steps=max_nonfinite_steps)
-            if r.algorithm.done(r.ctx):
-                if rank0:
-                    console.print(f"the run already finished at step {r.step}")
-                summary = finish(r, time.time())
-            else:
-                if rank0:
-                    console.print(f"resuming {escape(str(run_dir))} at step {r.step} of {r.total_steps}; "
-                                  f"spent so far: {_spent(r)}", highlight=False)
-                summary = _train(r, quiet or not rank0)
-        _leave(comm)
-    if rank0:
-        _print_summary(summary, run_dir)
-    _exit_if_stopped(r, run_dir)
+
+def _finish(result) -> None:
+    if result.run.comm.rank == 0:
+        _print_summary(result.summary, result.run_dir)
+    _exit_if_stopped(result.run, result.run_dir)
 
 
 def _exit_if_stopped(run_, out: Path | None) -> None:
@@ -363,9 +213,10 @@ def report(run_dir: Annotated[Path, typer.Argument(help="folder of a run (finish
 @app.command()
 def validate(recipe: str, set_: SetOpt = None):
     """Check a recipe (schema, stages, data and model paths, budget) without training."""
+    from .api import quiet_libraries
     from .run import Run
 
-    _quiet_libraries()
+    quiet_libraries()
     with user_errors():
         r = load_recipe(recipe, set_)
         run_ = Run(r).prepare()

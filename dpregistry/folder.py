@@ -328,7 +328,8 @@ def steps_taken(out_dir: Path) -> list[str]:
     return found
 
 
-def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int | None = None):
+def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int | None = None,
+               provides: dict | None = None):
     """Rebuild the run of ``out_dir`` and restore its newest valid checkpoint, after checking that
     its ledger is all that the folder shows was spent (see :mod:`dpregistry.ledger_file`)."""
     from .run import Run
@@ -354,7 +355,7 @@ def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int
     if recipe.hash != stored["recipe_hash"]:
         raise UserError("the installed stages resolve this recipe differently than when the run started "
                         "(a plugin changed its defaults); resuming would change the results", file=str(rpath))
-    run = Run(recipe, comm=comm).prepare()
+    run = Run(recipe, comm=comm, provides=provides).prepare()
     run.folder = folder = RunFolder(out_dir, writer=run.comm.rank == 0)
     if folder.writer:
         for d in (out_dir, folder.checkpoints):

@@ -76,13 +76,17 @@ class TorchObjective(Objective):
         self.build(ctx)  # resolves model and data paths before it places anything on ctx.device
         check_forward_is_pure(self.model)  # every estimator runs forward passes on private data
         self.model.eval()
-        trainable: Trainable = getattr(self.cfg, "trainable", None) or Trainable()
-        for name, p in self.model.named_parameters():
-            p.requires_grad_(trainable.selects(name))
+        self.select_trainable()
         self._params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         if not self._params:
             raise UserError("no parameter matches objective.trainable; the model has no trainable parameters",
                             key="objective.trainable")
+
+    def select_trainable(self) -> None:
+        """Mark which parameters train (``requires_grad``): the recipe's ``trainable`` regexes."""
+        trainable: Trainable = getattr(self.cfg, "trainable", None) or Trainable()
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(trainable.selects(name))
 
     @property
     def device(self):

@@ -128,8 +128,13 @@ class Broken:
         return (f"plugin {self.plugin!r} of {self.distribution} failed to load and is skipped: {self.error}")
 
 
-class _BuiltinLayers:
-    """dpregistry's own per-example gradient handlers, registered like a plugin's."""
+class _Builtin:
+    """What dpregistry itself registers, like a plugin: the ``python`` objective (your own model,
+    loss and data, given to ``dpregistry.train``) and the per-example gradients of the built-in layers."""
+
+    @hookspecs.hookimpl
+    def dpreg_register_objectives(self, register):
+        register("dpregistry.own:OwnObjective", name="python")
 
     @hookspecs.hookimpl
     def dpreg_register_grad_samplers(self, register):
@@ -142,10 +147,12 @@ class Registry:
     def __init__(self):
         self.pm = pluggy.PluginManager("dpregistry")
         self.pm.add_hookspecs(hookspecs)
-        self.pm.register(_BuiltinLayers(), name="dpregistry")
         self.entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
         self.broken: list[Broken] = []
         self._grad_samplers: dict[type, tuple[Any, str]] | None = None
+        from . import __version__
+
+        self.add_plugin(_Builtin(), origin=f"dpregistry {__version__} (builtin)", name="dpregistry")
 
     def grad_samplers(self) -> dict[type, Any]:
         """Layer type -> the handler of its per-example gradients, from every plugin's

@@ -32,13 +32,16 @@ SECTION_OF = {kind: section for section, kind in SECTIONS.items()} | {"algorithm
 class Run:
     """One training run: its stages, parameters, randomness and privacy ledger."""
 
-    def __init__(self, recipe: Recipe, *, comm=None):
+    def __init__(self, recipe: Recipe, *, comm=None, provides: dict[type, Any] | None = None):
+        """``provides``: typed values for stages that ``need`` them (``dpregistry.train``'s own
+        model, loss and data, for the ``python`` objective)."""
         self.recipe = recipe
         self.comm = comm or LocalComm()
         self.comm.micro_batch = recipe.train.micro_batch_size
         p = recipe.privacy
         self.budget = Budget(p.epsilon, p.delta, p.rho, p.relation)
         self.relation = p.relation
+        self._given: dict[type, Any] = {Budget: self.budget, **(provides or {})}
         try:
             self.rng = RunRNG(recipe.seed, p.noise)
         except UserError as e:
@@ -124,7 +127,7 @@ class Run:
         return self._ctx
 
     def _providers(self) -> dict[type, Any]:
-        out: dict[type, Any] = {Objective: self, Budget: self}
+        out: dict[type, Any] = {Objective: self, **{t: self for t in self._given}}
         for kind, stage in self.stages.items():
             for t in type(stage).provides:
                 if t in out:
@@ -139,7 +142,7 @@ class Run:
         if provider is None:
             raise RuntimeError(f"no stage provides {kind.__name__}")
         if provider is self:
-            return self.objective if kind is Objective else self.budget
+            return self.objective if kind is Objective else self._given[kind]
         return provider.provide(kind)
 
     def _check_needs(self) -> None:

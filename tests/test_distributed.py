@@ -279,7 +279,7 @@ def test_only_rank_0_rewrites_the_metrics_on_resume(tmp_path):
 def test_a_refusal_on_rank_0_reaches_every_rank(runs, tmp_path):
     """Rank 0 alone takes the folder's lock: when it is refused (another process holds the run),
     every rank must stop with that refusal, not wait in a collective for a rank that left."""
-    from dpregistry.cli import run_lock
+    from dpregistry.folder import run_lock
 
     _, out = runs
     run_dir = tmp_path / "zo2"

@@ -171,8 +171,10 @@ def test_the_progress_line_of_a_reproducible_run_says_no_guarantee(tmp_path):
 
     recipe = mode("reproducible")
     run = make_run(dict(recipe, train=dict(recipe["train"], progress=True)), tmp_path)
+    from dpregistry.api import _train
+
     with cli.console.capture() as cap:
-        cli._train(run, quiet=False)
+        _train(run, True, cli.console)
     assert "no guarantee" in cap.get()
 
 

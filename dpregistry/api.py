@@ -1,0 +1,324 @@
+"""The Python API: ``dpregistry.train`` and ``dpregistry.resume``; ``dpreg`` is a thin layer over it.
+
+    import dpregistry
+    result = dpregistry.train("quickstart")                       # a shipped recipe, a path or a dict
+    result = dpregistry.train(recipe, model=net, loss=per_example_loss, train_data=ds, eval_data=test)
+    result.epsilon, result.metrics, result.model, result.run_dir
+
+Validation, accounting and checkpoints are those of ``dpreg run``: a bad recipe raises
+:class:`~dpregistry.errors.UserError` carrying the same file/line/key message, and a run with
+``out=`` writes the same folder, which ``resume`` (or ``dpreg resume``) continues.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import UserError
+
+
+@dataclass
+class Result:
+    """What a run gives back: the trained model, its privacy guarantee, its metrics and ledger."""
+
+    run: Any                      # the dpregistry.run.Run (its stages, parameters and accountant)
+    summary: dict[str, Any]       # what summary.json holds
+    run_dir: Path | None          # the run folder (None: trained in memory only)
+
+    @property
+    def model(self):
+        """The trained torch module (the objective's), or the parameters when there is no module."""
+        return self.run.objective.module() or self.run.params
+
+    @property
+    def epsilon(self) -> float | None:
+        return self.summary.get("epsilon")
+
+    @property
+    def delta(self) -> float | None:
+        return self.summary.get("delta")
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Held-out metrics at the end of the run."""
+        return self.summary.get("metrics") or {}
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The logged rows (what metrics.jsonl holds)."""
+        return self.run.history
+
+    @property
+    def ledger(self) -> list[dict[str, Any]]:
+        """Every charge of the run: the privacy ledger."""
+        return self.run.accountant.ledger.to_json()
+
+    @property
+    def guarantee(self) -> bool:
+        """Whether the ε is a privacy guarantee (not in reproducible noise mode)."""
+        return bool(self.summary.get("guarantee"))
+
+    @property
+    def stopped(self) -> str | None:
+        return self.summary.get("stopped")
+
+    def __repr__(self) -> str:
+        eps = "-" if self.epsilon is None else f"{self.epsilon:.4g}"
+        return f"Result(step={self.summary.get('step')}, epsilon={eps}, metrics={self.metrics}, run_dir={self.run_dir})"
+
+
+# ------------------------------------------------------------------------------------------------
+# recipes
+# ------------------------------------------------------------------------------------------------
+
+
+def recipes_dirs() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    return [here.parent / "recipes", Path(sys.prefix) / "share" / "dpregistry" / "recipes"]
+
+
+def find_recipe(name: str) -> Path:
+    """A recipe path, or the name of a recipe shipped with dpregistry (``quickstart``)."""
+    p = Path(name)
+    try:
+        if p.exists() or p.suffix in (".yaml", ".yml") and p.parent != Path("."):
+            return p
+        for d in recipes_dirs():
+            for cand in (d / name, d / f"{name}.yaml"):
+                if cand.exists():
+                    return cand
+    except OSError:  # a name too long to be a file: reading it says so
+        pass
+    return p
+
+
+def load_recipe(recipe: str | Path | dict, sets=None, *, own: bool = False):
+    """A validated recipe from a path, a shipped name or a dict (``sets``: ``key.path=value``
+    overrides, as ``--set``). ``own``: the caller brings model, loss and data, so the objective is
+    the ``python`` one unless the recipe names another."""
+    from .recipe import load, resolve
+    from .registry import get_registry
+
+    sets = list(sets or [])
+    if own:
+        sets = ["objective.name=python", *sets]
+    if isinstance(recipe, dict):
+        import copy
+
+        from .recipe import _apply_set
+
+        data, locs = copy.deepcopy(recipe), {}
+        for s in sets:
+            _apply_set(data, locs, s)
+        return resolve(data, locs, get_registry(), source="<recipe>")
+    return load(find_recipe(str(recipe)), sets)
+
+
+def quiet_libraries() -> None:
+    """Keep library chatter (progress bars, advisory warnings) out of the output; read by
+    transformers and huggingface_hub when they are first imported."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+
+# ------------------------------------------------------------------------------------------------
+# several processes
+# ------------------------------------------------------------------------------------------------
+
+
+def process_group():
+    """The torch.distributed communicator when torchrun launched us, else None."""
+    from .distributed import init_from_env, launched_by_torchrun
+
+    return init_from_env() if launched_by_torchrun() else None
+
+
+def on_rank0_for_all(comm, fn: Callable):
+    """fn() on rank 0 (the folder, its lock), its result or its refusal on every rank: a refusal
+    on rank 0 alone would leave the others waiting in the first collective until they time out."""
+    result, problem = None, None
+    if comm is None or comm.rank == 0:
+        try:
+            result = fn()
+        except UserError as e:
+            if comm is None:
+                raise
+            problem = e
+    if comm is not None:
+        message, result = comm.broadcast_object((str(problem) if problem else None, result))
+        if problem is not None:
+            raise problem
+        if message:
+            raise UserError(message)
+    return result
+
+
+def leave(comm) -> None:
+    """Ranks leave together (rank 0 has written the outputs) and tear the process group down
+    before interpreter shutdown does: a rank that exits while a peer still works can abort in
+    gloo's threads ("terminate called without an active exception")."""
+    if comm is None:
+        return
+    import torch.distributed as dist
+
+    comm.barrier()
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------
+# training
+# ------------------------------------------------------------------------------------------------
+
+
+def _own_objects(model, loss, train_data, eval_data, metrics) -> dict[type, Any] | None:
+    given = {"model": model, "loss": loss, "train_data": train_data}
+    if all(v is None for v in given.values()) and eval_data is None and not metrics:
+        return None
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        raise UserError(f"bringing your own model, loss and data needs all three; missing: {', '.join(missing)}",
+                        key=missing[0])
+    from .own import OwnObjects
+
+    return {OwnObjects: OwnObjects(model, loss, train_data, eval_data, dict(metrics or {}))}
+
+
+def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str | Path | None = None,
+          overwrite: bool = False, verbose: bool = True, model=None, loss: Callable | None = None,
+          train_data=None, eval_data=None, metrics: dict[str, Callable] | None = None, console=None) -> Result:
+    """Train privately with ``recipe`` (a path, a shipped name or a dict) and return the :class:`Result`.
+
+    ``set``: overrides as with ``dpreg run --set`` (``["privatizer.clip=2"]``). ``out``: a run
+    folder for checkpoints, metrics and the model (None: in memory only). ``model``, ``loss``,
+    ``train_data``, ``eval_data``, ``metrics``: your own, for the ``python`` objective (see
+    :mod:`dpregistry.own`); the recipe then holds only the stages, the budget and the schedule.
+    ``verbose``: progress bars (terminal or notebook) while it trains."""
+    from .folder import check_out, claim, start_run
+    from .run import Run
+
+    quiet_libraries()
+    provides = _own_objects(model, loss, train_data, eval_data, metrics)
+    comm = process_group()
+    r = load_recipe(recipe, set, own=provides is not None)
+    out_dir = on_rank0_for_all(comm, lambda: check_out(Path(out), overwrite)) if out is not None else None
+    # Everything that can fail on bad input happens before the folder is touched.
+    run = Run(r, comm=comm, provides=provides).prepare()
+    with ExitStack() as held:
+        if out_dir is not None:
+            on_rank0_for_all(comm, lambda: claim(out_dir, overwrite, held))
+        start_run(run, out_dir)
+        summary = _train(run, verbose and (comm is None or comm.rank == 0), console)
+    leave(comm)
+    return Result(run, summary, out_dir)
+
+
+def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: int | None = None, model=None,
+           loss: Callable | None = None, train_data=None, eval_data=None, metrics=None, console=None,
+           warn: Callable[[str], None] | None = None) -> Result:
+    """Continue the run of ``run_dir`` from its newest valid checkpoint (the privacy ledger
+    continues too). A run of your own model needs the same model, loss and data again."""
+    from .folder import not_a_run_folder, resume_run, run_lock
+    from .loop import finish
+
+    quiet_libraries()
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError("run folder not found", file=str(run_dir))
+    if not (run_dir / "recipe.json").exists():
+        raise not_a_run_folder(run_dir)
+    provides = _own_objects(model, loss, train_data, eval_data, metrics)
+    comm = process_group()
+    rank0 = comm is None or comm.rank == 0
+    with ExitStack() as held:
+        on_rank0_for_all(comm, lambda: held.enter_context(run_lock(run_dir)))
+        r = resume_run(run_dir, comm=comm, warn=(warn or _warn) if rank0 else (lambda m: None),
+                       max_nonfinite_steps=max_nonfinite_steps, provides=provides)
+        if r.algorithm.done(r.ctx):
+            if verbose and rank0:
+                _say(console, f"the run already finished at step {r.step}")
+            summary = finish(r, time.time())
+        else:
+            if verbose and rank0:
+                _say(console, f"resuming {run_dir} at step {r.step} of {r.total_steps}; spent so far: {spent(r)}")
+            summary = _train(r, verbose and rank0, console)
+    leave(comm)
+    return Result(r, summary, run_dir)
+
+
+def spent(run) -> str:
+    """What a run's ledger has spent, against its budget, in words."""
+    s = run.accountant.spent()
+    if s.get("epsilon") is not None:
+        of = f" of {run.budget.epsilon:g}" if run.budget.epsilon else ""
+        return f"ε = {s['epsilon']:.4g}{of} at δ = {s.get('delta'):g}"
+    if s.get("rho") is not None:
+        of = f" of {s['target_rho']:.4g}" if s.get("target_rho") is not None else ""
+        return f"ρ = {s['rho']:.4g}{of}"
+    return f"{run.accountant.ledger.n_charges} charges"
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _say(console, message: str) -> None:
+    if console is None:
+        from rich.console import Console
+
+        console = Console()
+    from rich.markup import escape
+
+    console.print(escape(message), highlight=False)
+
+
+def _train(run, verbose: bool, console=None) -> dict[str, Any]:
+    """Train with a progress bar (rich: a terminal or a notebook), a bar of its own for a long
+    evaluation, and the ε in words when it is no guarantee."""
+    from .progress import showing
+
+    if not verbose or not run.recipe.train.progress:
+        with showing(None):
+            return run.train()
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = console or Console()
+    caveat = "" if run.rng.guarantee else " (no guarantee: reproducible noise)"
+    state = {"t0": time.time(), "s0": run.step, "loss": float("nan"), "eps": run.epsilon()}
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[loss]}"),
+               TextColumn("{task.fields[eps]}"), TimeRemainingColumn()]
+    with Progress(*columns, console=console, transient=False) as prog:
+        task = prog.add_task(run.algorithm.name, total=run.total_steps, completed=run.step, rate="", loss="",
+                             eps="")
+
+        def update(r, metrics):
+            if "loss" in metrics:
+                state["loss"] = metrics["loss"]
+            if r.history and r.history[-1]["step"] == r.step:
+                state["eps"] = r.history[-1].get("epsilon")
+            rate = (r.step - state["s0"]) / max(time.time() - state["t0"], 1e-9)
+            eps = state["eps"]
+            prog.update(task, completed=r.step, rate=f"{rate:6.1f} steps/s", loss=f"loss {state['loss']:.4g}",
+                        eps="ε -" if eps is None else f"ε {eps:.3g}{caveat}")
+
+        def tracker(items, total, description):
+            """A stage's long loop (an evaluation) as a bar of its own under the run's, gone when done."""
+            sub = prog.add_task(description, total=total, rate="", loss="", eps="")
+            try:
+                for item in items:
+                    yield item
+                    prog.advance(sub)
+            finally:
+                prog.remove_task(sub)
+
+        with showing(tracker):
+            return run.train(progress=update)
