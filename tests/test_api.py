@@ -1,0 +1,179 @@
+"""The Python API (issue 16): dpregistry.train / resume, your own model and data, and the README's
+Python snippets run verbatim."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dpregistry
+from conftest import REPO
+from dpregistry import UserError
+
+
+def readme_snippets() -> list[str]:
+    """The README's Python blocks, but the plugin guide's (which define a package, tested in
+    tests/test_contract_plugins.py)."""
+    text = (REPO / "README.md").read_text()
+    guide = text.index("## Writing a plugin")
+    end = text.index("\n## ", guide + 3)
+    text = text[:guide] + text[end:]
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+@pytest.mark.parametrize("i", range(len(readme_snippets())))
+def test_each_readme_python_snippet_runs(i, capsys):
+    code = readme_snippets()[i]
+    namespace: dict = {}
+    exec(compile(code, f"README.md snippet {i}", "exec"), namespace)
+    if "result" in namespace:  # the usage example: a private run of one's own model that learns
+        result = namespace["result"]
+        assert result.epsilon <= 3.0 and result.guarantee
+        assert result.metrics["accuracy"] > 0.5  # chance is 0.1
+        assert "held-out accuracy" in capsys.readouterr().out
+
+
+DIGITS = None
+
+
+def digits():
+    global DIGITS
+    if DIGITS is None:
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        DIGITS = (torch.tensor(x / 16, dtype=torch.float32), torch.tensor(y))
+    return DIGITS
+
+
+def own(n_train=600):
+    x, y = digits()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
+    train = list(zip(x[:n_train], y[:n_train]))
+    test = torch.utils.data.TensorDataset(x[1400:], y[1400:])
+    return model, train, test
+
+
+RECIPE = {"algorithm": "dp_sgd", "sampler": {"batch_size": 64}, "update": {"lr": 0.5},
+          "privacy": {"epsilon": 4.0, "delta": 1e-5, "noise": "reproducible"}, "train": {"steps": 20, "checkpoint_every": 10}}
+
+
+def per_example(out, t):
+    return F.cross_entropy(out, t, reduction="none")
+
+
+def test_own_model_loss_and_data_train_privately_into_a_run_folder(tmp_path):
+    model, train, test = own()
+    a = dpregistry.train(RECIPE, model=model, loss=per_example, train_data=train, eval_data=test, verbose=False,
+                         out=tmp_path / "a")
+    assert a.model is model and a.epsilon <= 4.0 and set(a.metrics) == {"loss", "accuracy"}
+    assert a.ledger and a.ledger[0]["count"] == 20 and a.run_dir == tmp_path / "a"
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["epsilon"] == a.epsilon and summary["metrics"] == a.metrics
+    # a run folder resumes only the recipe it was started with
+    model_b, train_b, test_b = own()
+    recipe = dict(RECIPE, train=dict(RECIPE["train"], steps=10))
+    dpregistry.train(recipe, model=model_b, loss=per_example, train_data=train_b, verbose=False, out=tmp_path / "b")
+    stored = json.loads((tmp_path / "b" / "recipe.json").read_text())
+    stored["recipe"]["train"]["steps"] = 20  # the user extends the run they planned
+    from dpregistry.recipe import recipe_hash
+
+    stored["recipe_hash"] = recipe_hash(stored["recipe"])
+    (tmp_path / "b" / "recipe.json").write_text(json.dumps(stored))
+    with pytest.raises(UserError, match="different recipe"):  # the checkpoint knows its recipe
+        dpregistry.resume(tmp_path / "b", model=model_b, loss=per_example, train_data=train_b, verbose=False)
+
+
+def test_a_resumed_own_run_continues_the_ledger(tmp_path):
+    model, train, test = own()
+    straight = dpregistry.train(RECIPE, model=model, loss=per_example, train_data=train, verbose=False)
+    model_b, train_b, _ = own()
+    b = dpregistry.train(RECIPE, model=model_b, loss=per_example, train_data=train_b, verbose=False,
+                         out=tmp_path / "b")
+    # rewind to the step-10 checkpoint, as a crash would leave the folder, and resume
+    from dpregistry import checkpoint as ckpt
+
+    for step, p in ckpt.list_checkpoints(tmp_path / "b" / "checkpoints"):
+        if step > 10:
+            p.unlink()
+    lines = (tmp_path / "b" / "ledger.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "b" / "ledger.jsonl").write_text("".join(lines[:2]))
+    for name in ("summary.json", "model.safetensors"):
+        (tmp_path / "b" / name).unlink()
+    model_c, train_c, _ = own()
+    c = dpregistry.resume(tmp_path / "b", model=model_c, loss=per_example, train_data=train_c, verbose=False)
+    assert c.summary["step"] == 20 and c.ledger == straight.ledger == b.ledger
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model_c.parameters()))
+
+
+def test_a_loss_of_model_and_batch_serves_any_example_shape():
+    x, y = digits()
+    rows = [{"pixels": x[i], "label": y[i]} for i in range(300)]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 10)
+
+    def loss(model, batch):
+        return F.cross_entropy(model(batch["pixels"]), batch["label"], reduction="none")
+
+    r = dpregistry.train(RECIPE, model=model, loss=loss, train_data=rows, eval_data=rows[:100], verbose=False)
+    assert r.summary["step"] == 20 and set(r.metrics) == {"loss"}
+
+
+def test_a_hugging_face_dataset_is_read_by_index():
+    datasets = pytest.importorskip("datasets")
+    x, y = digits()
+    ds = datasets.Dataset.from_dict({"pixels": x[:300].tolist(), "label": y[:300].tolist()}).with_format("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 10)
+
+    def loss(model, batch):
+        return F.cross_entropy(model(batch["pixels"].float()), batch["label"], reduction="none")
+
+    r = dpregistry.train(RECIPE, model=model, loss=loss, train_data=ds, verbose=False)
+    assert r.summary["step"] == 20 and r.epsilon <= 4.0
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"loss": lambda out, t: F.cross_entropy(out, t)}, "one loss per example"),
+    ({"train_data": []}, "train_data is empty"),
+    ({"train_data": 42}, "train_data must be indexable"),
+    ({"loss": None}, "missing: loss"),
+])
+def test_bad_own_objects_are_one_line_errors(bad, says):
+    model, train, _ = own()
+    objects = {"model": model, "loss": per_example, "train_data": train, **bad}
+    with pytest.raises(UserError, match=says) as e:
+        dpregistry.train(RECIPE, verbose=False, **objects)
+    assert "\n" not in str(e.value)
+
+
+def test_a_model_with_a_weight_used_outside_its_layer_is_refused_before_step_1():
+    class Reuse(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 10)
+
+        def forward(self, x):
+            return self.lin(x) + F.linear(x, self.lin.weight)
+
+    _, train, _ = own()
+    with pytest.raises(UserError, match=r"lin\.weight"):
+        dpregistry.train(RECIPE, model=Reuse(), loss=per_example, train_data=train, verbose=False)
+
+
+def test_a_bad_recipe_raises_the_cli_message(tmp_path):
+    from test_core_cli import dpreg
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("algorithm: dp_adam\nobjective: {name: tabular, data: {dataset: iris}}\n"
+                    "privacy: {epsilon: 3.0, delta: 1.0e-5}\ntrain: {steps: -1}\n")
+    with pytest.raises(UserError) as e:
+        dpregistry.train(path, verbose=False)
+    assert str(e.value).startswith(f"{path}:4: train.steps:")
+    cli = dpreg("run", path, "--out", tmp_path / "out")
+    assert cli.returncode == 2 and cli.stderr.strip() == f"error: {e.value}"
