@@ -384,6 +384,8 @@ def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int
         stored["recipe"] = recipe.data
         folder.write_json("recipe.json", stored)
     folder.truncate_metrics(run.step)
+    if folder.metrics.exists():
+        run.history[:] = read_rows(folder.metrics)  # the rows logged up to the checkpoint
     return run
 
 

@@ -54,6 +54,13 @@ def _steps(run: Run, progress, tau, t0, state) -> None:
     train_cfg = run.recipe.train
     window = run.log_window  # step metrics since the last row (restored by a resume)
     folder = run.folder
+    if train_cfg.eval_every and run.step == 0 and not run.history:
+        # The baseline every later evaluation is read against (zero-shot, or an untrained model).
+        # It reads only held-out data and the initial parameters, so it costs no privacy.
+        row = {"step": 0, "epsilon": run.epsilon(), **{f"eval/{k}": v for k, v in run.objective.evaluate().items()}}
+        run.history.append(row)
+        if folder:
+            folder.append_metrics(row)
     while True:
         ctx = run.begin_step()
         if run.algorithm.done(ctx):

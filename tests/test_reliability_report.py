@@ -193,17 +193,20 @@ def test_a_short_run_has_whole_step_ticks(steps):
     assert ticks[0] == 0 and len(ticks) >= 3 and all(t == int(t) for t in ticks)
 
 
-def test_one_evaluation_is_a_visible_point_on_the_run_s_axis(tmp_path, figures):
-    """Evaluated only at the end: the held-out plot has one marked point, drawn inside axes
-    that start at step 0, not a lone dot in the middle of an axis autoscaled around it."""
+def test_the_evaluation_curve_starts_at_step_0_with_visible_points(tmp_path, figures):
+    """Evaluated at the step-0 baseline and at the end: the held-out plot has two marked points,
+    the first at step 0 (the zero-shot or untrained model), drawn inside axes that start at 0."""
     out = tmp_path / "out"
     recipe = {**RECIPE, "train": {**RECIPE["train"], "eval_every": 12}}
     make_run(recipe, tmp_path, out=out).train()
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]  # logged like every other evaluation
     figs = figures(out)
     for ax in figs["eval.png"].axes + [figs["overview.png"].axes[1]]:
         (line,) = ax.get_lines()
-        assert list(line.get_xdata()) == [12] and line.get_marker() == "o" and line.get_markersize() >= 4
-        x, y = ax.transData.transform((12, line.get_ydata()[0]))
-        box = ax.get_window_extent()
-        assert box.x0 < x < box.x1 and box.y0 < y < box.y1  # drawn inside the axes
+        assert list(line.get_xdata()) == [0, 12] and line.get_marker() == "o" and line.get_markersize() >= 4
+        for step, value in zip(line.get_xdata(), line.get_ydata()):
+            x, y = ax.transData.transform((step, value))
+            box = ax.get_window_extent()
+            assert box.x0 <= x < box.x1 and box.y0 < y < box.y1  # drawn inside the axes
         assert ax.get_xlim()[0] <= 0 and whole_steps(ax)[0] == 0
