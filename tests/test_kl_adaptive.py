@@ -66,7 +66,7 @@ def test_adaptive_charges_the_sigma_it_uses(tmp_path):
     assert len(events) in (2 * T, 2 * T + 1)  # + a refused step's norm query, if that one fit
     total = sum(r["rho"] for r in cost_table(run.accountant.ledger.to_json()))
     assert total == pytest.approx(run.accountant.rho(), rel=1e-12) and total <= 1.0 * (1 + 1e-12)
-    assert run.objective.excess_risk() < 0.2 * run.objective.kl_constants()["f0"]
+    assert run.objective.excess_risk() < 0.2 * run.objective.kl_constants().f0
 
 
 def first_step_below_zero(tmp_path, **over):
@@ -159,10 +159,10 @@ def test_exponential_selection_and_resume(tmp_path):
     out.mkdir()
     run = make_run(recipe, tmp_path, out=out)
     rows, summary = traced(run)
-    assert summary["stopped"] is None and run.algorithm.phase == "done"
+    assert summary["stopped"] is None and run.algorithm.state.phase == "done"
     chosen = int(rows[-1]["selected_iterate"])
-    assert rows[-1]["candidates"] == len(run.algorithm.trajectory) == summary["step"]  # w_0 .. w_T
-    assert torch.equal(run.params["w"], run.algorithm.trajectory[chosen]["w"])
+    assert rows[-1]["candidates"] == len(run.algorithm.state.trajectory) == summary["step"]  # w_0 .. w_T
+    assert torch.equal(run.params["w"], run.algorithm.state.trajectory[chosen]["w"])
     sel = [e for e in ledger_events(run) if isinstance(e, Exponential)]
     assert len(sel) == 1 and sel[0].zcdp_rho() == pytest.approx(1 / 3, rel=1e-12)
     assert run.accountant.rho() <= 1.0 * (1 + 1e-12)
@@ -174,7 +174,7 @@ def test_exponential_selection_and_resume(tmp_path):
         if s > mid:
             p.unlink()
     resumed = resume_run(copy)
-    assert resumed.step == mid and len(resumed.algorithm.trajectory) == mid + 1
+    assert resumed.step == mid and len(resumed.algorithm.state.trajectory) == mid + 1
     resumed.train()
     assert torch.equal(resumed.params["w"], final)
     assert resumed.accountant.rho() == run.accountant.rho()
@@ -216,10 +216,10 @@ def test_exponential_selection_also_ends_a_run_capped_by_train_steps(tmp_path, s
                               train={"steps": steps, "log_every": 10**6}), tmp_path)
     assert run.algorithm.consts.max_steps + 1 > steps  # train.steps, not the filter, ends this run
     rows, summary = traced(run)
-    assert summary["step"] == steps and run.algorithm.phase == "done"
-    assert rows[-1]["candidates"] == len(run.algorithm.trajectory) == steps  # w_0 .. w_(steps−1)
+    assert summary["step"] == steps and run.algorithm.state.phase == "done"
+    assert rows[-1]["candidates"] == len(run.algorithm.state.trajectory) == steps  # w_0 .. w_(steps−1)
     chosen = int(rows[-1]["selected_iterate"])
-    assert torch.equal(run.params["w"], run.algorithm.trajectory[chosen]["w"])
+    assert torch.equal(run.params["w"], run.algorithm.state.trajectory[chosen]["w"])
     sel = [e for e in ledger_events(run) if isinstance(e, Exponential)]
     assert len(sel) == 1 and sel[0].zcdp_rho() == pytest.approx(1 / 3, rel=1e-12)
     assert run.accountant.rho() <= 1.0 * (1 + 1e-12)

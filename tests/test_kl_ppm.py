@@ -34,8 +34,8 @@ def test_projection_weighted_average_and_budget(tmp_path):
     def cb(r, m):
         nonlocal current
         if current is None:
-            current = {"centre": upd.centre["w"].clone(), "u": [upd.centre["w"].clone()]}
-        if r.algorithm.started:  # inside a call: the params are u_{j}
+            current = {"centre": upd.state.centre["w"].clone(), "u": [upd.state.centre["w"].clone()]}
+        if r.algorithm.state.started:  # inside a call: the params are u_{j}
             current["u"].append(r.params["w"].clone())
         else:  # the call just ended: the params are the average; u_{T_A} went into it
             current["out"] = r.params["w"].clone()
@@ -62,7 +62,7 @@ def test_projection_weighted_average_and_budget(tmp_path):
         avg = sum((j + 1) * u for j, u in enumerate(us)) * (2.0 / (J * (J + 1)))
         assert torch.allclose(call["out"], avg, rtol=1e-12, atol=1e-15)
     assert 1.0 * (1 - 2e-9) <= run.accountant.rho() <= 1.0  # spent to the sizing margin, never over
-    assert run.objective.excess_risk() < 0.05 * run.objective.kl_constants()["f0"]
+    assert run.objective.excess_risk() < 0.05 * run.objective.kl_constants().f0
 
 
 def test_paper_calibration_spends_at_most_half(tmp_path):
@@ -70,7 +70,7 @@ def test_paper_calibration_spends_at_most_half(tmp_path):
     run = make_run(ppm_recipe(algorithm={"name": "kl_proximal_point", "weak_convexity": 0.5,
                                          "max_inner_steps": 8, "calibration": "paper"}), tmp_path)
     s = run.algorithm.sched
-    plan = run.algorithm.plan(run, None)
+    plan = run.algorithm.plan(run.ctx, None)
     assert len(plan) == 1 and plan[0].count == s.T * (s.T_A - 1)
     run.train()
     assert run.accountant.rho() == pytest.approx((s.T_A - 1) / s.T_A / 2, rel=1e-9)
@@ -119,7 +119,7 @@ def test_ppm_resume_inside_a_call_is_exact(tmp_path):
         if s > mid:
             p.unlink()
     resumed = resume_run(copy)
-    assert resumed.algorithm.started and resumed.update_rule.j > 1
+    assert resumed.algorithm.state.started and resumed.update_rule.j > 1
     resumed.train()
     assert torch.equal(resumed.params["w"], final)
     assert math.isclose(resumed.accountant.rho(), run.accountant.rho(), rel_tol=0, abs_tol=0)

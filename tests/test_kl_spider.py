@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from conftest import make_run
-from dpregistry import UserError
+from dpregistry import UpdateRule, UserError, hookimpl
 from dpregistry import checkpoint as ckpt
 from dpregistry.folder import resume_run
 from dpregistry.privacy.events import PrivacyEvent
 
 from dpreg_kl.report import cost_table
+from dpreg_kl.updates import StepBound
 
 
 def spider_recipe(**over):
@@ -35,8 +36,8 @@ def trace(run, limit=None):
     rows = []
 
     def cb(r, metrics):
-        a = r.algorithm
-        rows.append({"w": r.params["w"].clone(), "v": r.privatizer.v["w"].clone() if r.privatizer.v else None,
+        a, v = r.algorithm.state, r.privatizer.state.v
+        rows.append({"w": r.params["w"].clone(), "v": v["w"].clone() if v else None,
                      "k": a.k, "t": a.t, "fresh": a.fresh, "m": dict(metrics)})
         if limit and len(rows) >= limit:
             r.stop_reason = "test limit"
@@ -105,7 +106,7 @@ def test_spider_rounds_end_early_and_restart(tmp_path):
 
 def test_spider_plan_ledger_and_cost_table(tmp_path):
     run = make_run(spider_recipe(), tmp_path)
-    plan = run.algorithm.plan(run, None)
+    plan = run.algorithm.plan(run.ctx, None)
     planned = {c.event: c.count for c in plan}
     rho_plan = run.accountant.rho_of({None: planned})
     assert rho_plan <= 1.0 * (1 + 1e-12)
@@ -122,7 +123,7 @@ def test_spider_plan_ledger_and_cost_table(tmp_path):
     assert total == pytest.approx(run.accountant.rho(), rel=1e-12) and total <= 1.0 * (1 + 1e-12)
     assert sum(r["count"] for r in table) == run.step
     s = run.algorithm.sched
-    differences = [ev for ev in used if ev != run.algorithm.anchor_event(run)]
+    differences = [ev for ev in used if ev != run.algorithm.anchor_event()]
     assert len(differences) > 10  # one event per (σ_k, r_k) until the floor
     assert sum(used[ev] for ev in differences) > 20  # difference queries were charged
     assert run.objective.excess_risk() < s.phi_floor  # Theorem 1's certificate (w.p. ≥ 1 − β)
@@ -139,7 +140,7 @@ def test_spider_paper_calibration_is_refused_under_replace_one(tmp_path):
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"update": {"name": "sgd", "lr": 0.1}}, "normalised steps"),
+    ({"update": {"name": "sgd", "lr": 0.1}}, "'spider_fullbatch' needs StepBound"),  # sgd bounds no step
     ({"sampler": {"name": "poisson", "batch_size": 100}}, "full batch"),
     ({"algorithm": {"name": "kl_spider", "kappa": 3}}, r"κ in \[1, 2\]"),
     ({"privatizer": {"name": "scheduled_gaussian"}}, "spider_gaussian|cannot release"),
@@ -147,6 +148,45 @@ def test_spider_paper_calibration_is_refused_under_replace_one(tmp_path):
 def test_spider_refusals(tmp_path, bad, match):
     with pytest.raises(UserError, match=match):
         make_run(spider_recipe(**bad), tmp_path)
+
+
+class MeasuredSGD(UpdateRule):
+    """Gradient steps that report their measured length as the step bound: enough for the SPIDER
+    estimator (a public bound on each step), not for kl_spider's precommitted plan."""
+
+    name = "measured_sgd_test"
+    provides = (StepBound,)
+
+    def setup(self, ctx):
+        self.last: float | None = None
+
+    def provide(self, kind):
+        return StepBound(self.last)
+
+    @torch.no_grad()
+    def apply(self, params, release, ctx):
+        g = release.value.lift(params)
+        self.last = float(sum((0.1 * g[k]).double().pow(2).sum() for k in params) ** 0.5)
+        for k, x in params.items():
+            x.sub_(0.1 * g[k])
+
+
+class _MeasuredSGDPlugin:
+    @hookimpl
+    def dpreg_register_update_rules(self, register):
+        register(MeasuredSGD)
+
+
+def test_spider_refuses_steps_that_are_not_normalised(tmp_path):
+    """A rule that provides a StepBound satisfies the estimator, but the plan charges each difference
+    query at 2L1·r_k/n before step 1, which only steps of length r_k keep (spec §4, coupling 3)."""
+    from dpregistry.registry import Registry
+
+    registry = Registry().load_entry_points()
+    registry.add_plugin(_MeasuredSGDPlugin(), origin="tests (measured sgd)")
+    with pytest.raises(UserError, match="normalised steps") as e:
+        make_run(spider_recipe(update={"name": "measured_sgd_test"}), tmp_path, registry=registry)
+    assert e.value.key == "update" and e.value.line is not None  # located at the recipe's update line
 
 
 def test_spider_k_nonpositive_returns_w0(tmp_path):
@@ -173,7 +213,7 @@ def test_spider_resume_mid_round_is_exact(tmp_path):
         if step > chosen:
             p.unlink()
     resumed = resume_run(copy)
-    assert resumed.step == chosen and not resumed.algorithm.fresh
+    assert resumed.step == chosen and not resumed.algorithm.state.fresh
     resumed.train()
     assert torch.equal(resumed.params["w"], final_w)
     assert json.dumps(resumed.accountant.ledger.to_json(), sort_keys=True) == json.dumps(final_ledger, sort_keys=True)

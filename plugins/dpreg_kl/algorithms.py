@@ -1,8 +1,9 @@
 """The three algorithms of "Private optimization under the KL condition" (spec 004) as presets.
 
 Each owns its control flow (``step``): one engine step is one privatized release, so a checkpoint
-between any two releases resumes exactly (round/call/phase counters live in ``state_dict``).
-Everything is full batch over the n records (no amplification), stated in ρ-zCDP.
+between any two releases resumes exactly (round/call/phase counters live in each ``State``).
+Everything is full batch over the n records (no amplification), stated in ρ-zCDP. Each checks at
+validation that the stages it drives are the types whose methods it calls (``isinstance``).
 
 * ``kl_spider`` (Alg. 1): the schedule fixes every charge in advance; ``plan`` precommits the
   worst case (every round runs its T_k steps) and the budget is checked before step 1.
@@ -15,19 +16,20 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from pydantic import Field
 
-from dpregistry import Algorithm, BudgetExhausted, Charge, ClippedSum, StageParams, StepResult
+from dpregistry import Algorithm, Budget, BudgetExhausted, Charge, ClippedSum, StageParams, StepResult, UserError
 from dpregistry.privacy.conversions import epsilon_to_zcdp
 from dpregistry.privacy.events import Exponential
 from dpregistry.spaces import DENSE, GRADIENT, INCREMENT, DenseAggregate
 
+from .common import declared
 from .estimators import SpiderFullBatch
-from .common import declared, user_error
 from .privatizers import ScheduledGaussian, SpiderGaussian
 from .schedules import (AdaptiveConstants, ProximalSchedule, SpiderSchedule, exponential_log_weights, gaussian_cost,
                         selection_epsilon)
@@ -41,40 +43,50 @@ Auto = Literal["auto"]
 # --------------------------------------------------------------------------------------------
 
 
-def budget_rho(run) -> float:
+def budget_rho(budget: Budget) -> float:
     """The ρ the schedules are built for: privacy.rho, or the ρ whose standard (BS16) conversion
     meets privacy.(epsilon, delta)."""
-    b = run.budget
-    if b.rho is not None:
-        return b.rho
-    if b.epsilon is not None and b.delta is not None:
-        return epsilon_to_zcdp(b.epsilon, b.delta)
-    raise user_error(run, "the KL algorithms need a budget: privacy.rho, or privacy.epsilon and privacy.delta",
-                     "privacy")
+    if budget.rho is not None:
+        return budget.rho
+    if budget.epsilon is not None and budget.delta is not None:
+        return epsilon_to_zcdp(budget.epsilon, budget.delta)
+    raise UserError("the KL algorithms need a budget: privacy.rho, or privacy.epsilon and privacy.delta",
+                    key="privacy")
 
 
-def require_full_batch(run, alg: str) -> None:
-    if run.sampler.name != "full_batch":
-        raise user_error(run, f"{alg} queries the full batch of n records (its σ's and sensitivities are for "
-                              f"means over all n, spec §0); use sampler: full_batch, not {run.sampler.name!r}",
-                         "sampler")
+def require_full_batch(stages, alg: str) -> None:
+    if stages.sampler.name != "full_batch":
+        raise UserError(f"{alg} queries the full batch of n records (its σ's and sensitivities are for "
+                        f"means over all n, spec §0); use sampler: full_batch, not {stages.sampler.name!r}",
+                        key="sampler")
 
 
-def resolve(run, value, key: str) -> float:
-    return declared(run, key, f"algorithm.{key}") if value == "auto" else float(value)
+def resolve(objective, value, key: str) -> float:
+    """The recipe's number, or the objective's declared constant where the recipe says auto."""
+    return declared(objective, key, f"algorithm.{key}") if value == "auto" else float(value)
 
 
-def n_params(run) -> int:
-    return sum(p.numel() for p in run.params.values())
+def n_params(params) -> int:
+    return sum(p.numel() for p in params.values())
 
 
 def norm_of(agg) -> float:
     return math.sqrt(sum(float(t.double().pow(2).sum()) for t in agg.tensors.values()))
 
 
-def full_indices(run) -> torch.Tensor:
+@runtime_checkable
+class RhoBudgeted(Protocol):
+    """An accountant that budgets in ρ-zCDP (the ``zcdp`` filter): the ρ charged so far and the ρ
+    budget, for the last step that spends exactly what is left."""
+
+    def rho(self) -> float: ...
+
+    def budget_rho(self) -> float: ...
+
+
+def full_indices(stages, ctx) -> torch.Tensor:
     """The full batch, drawn once: objectives cache their record groups for this tensor."""
-    return run.sampler.indices(0, run)
+    return stages.sampler.indices(ctx.at(0))
 
 
 class KLParams(StageParams):
@@ -117,110 +129,113 @@ class KLSpider(Algorithm):
         "accountant": {"name": "zcdp"},
     }
 
-    def setup(self, run):
-        self.k, self.t, self.fresh, self.finished, self.clipped = 0, 0, True, False, 0
+    needs = (Budget,)
+
+    @dataclass
+    class State:
+        k: int = 0              # the round
+        t: int = 0              # steps taken in the round
+        fresh: bool = True      # the next release is the round's anchor
+        finished: bool = False
+        clipped: int = 0        # clip activations so far (a diagnostic)
+
+    def setup(self, ctx):
         self.sched: SpiderSchedule | None = None
 
-    def validate(self, run):
-        require_full_batch(run, self.name)
-        if not isinstance(run.privatizer, SpiderGaussian) or not isinstance(run.estimator, SpiderFullBatch):
-            raise user_error(run, "kl_spider needs estimator spider_fullbatch and privatizer spider_gaussian (noise "
-                                  "on each SPIDER query, the running estimate kept by the privatizer)", "privatizer")
-        if not isinstance(run.update_rule, NormalizedStep):
-            raise user_error(run, "kl_spider precommits every charge; a difference query's sensitivity 2L1·r_k/n is "
-                                  "fixed in advance only under normalised steps of length r_k (spec §4, coupling 3); "
-                                  f"use update: normalized_step, not {run.update_rule.name!r}", "update")
-        cfg = self.cfg
-        kappa = resolve(run, cfg.kappa, "kappa")
+    def validate(self, ctx):
+        stages, cfg = self.stages, self.cfg
+        require_full_batch(stages, self.name)
+        if not isinstance(stages.privatizer, SpiderGaussian) or not isinstance(stages.estimator, SpiderFullBatch):
+            raise UserError("kl_spider needs estimator spider_fullbatch and privatizer spider_gaussian (noise "
+                            "on each SPIDER query, the running estimate kept by the privatizer)", key="privatizer")
+        if not isinstance(stages.update_rule, NormalizedStep):
+            raise UserError("kl_spider precommits every charge; a difference query's sensitivity 2L1·r_k/n is "
+                            "fixed in advance only under normalised steps of length r_k (spec §4, coupling 3); "
+                            f"use update: normalized_step, not {stages.update_rule.name!r}", key="update")
+        kappa = resolve(stages.objective, cfg.kappa, "kappa")
         if not 1.0 <= kappa <= 2.0:
-            raise user_error(run, f"kl_spider needs κ in [1, 2], got {kappa:g} (use kl_proximal_point for κ ≥ 2)",
-                             "algorithm.kappa")
-        priv = run.privatizer
+            raise UserError(f"kl_spider needs κ in [1, 2], got {kappa:g} (use kl_proximal_point for κ ≥ 2)",
+                            key="algorithm.kappa")
+        priv = stages.privatizer
         self.sched = SpiderSchedule(
-            n=run.n_train, rho=budget_rho(run), d=n_params(run), beta=cfg.beta, f0=resolve(run, cfg.f0, "f0"),
-            gamma=resolve(run, cfg.gamma, "gamma"), kappa=kappa, lipschitz=priv.clip, smoothness=priv.smoothness,
-            calibration=cfg.calibration, anchor_share=cfg.anchor_share, relation=run.relation)
+            n=ctx.n_train, rho=budget_rho(ctx.need(Budget)), d=n_params(ctx.params), beta=cfg.beta,
+            f0=resolve(stages.objective, cfg.f0, "f0"), gamma=resolve(stages.objective, cfg.gamma, "gamma"),
+            kappa=kappa, lipschitz=priv.clip, smoothness=priv.smoothness, calibration=cfg.calibration,
+            anchor_share=cfg.anchor_share, relation=ctx.relation)
         s = self.sched
         if cfg.calibration == "exact" and s.share >= 1 and s.K and int(s.max_differences.max()) > 0:
-            raise user_error(run, "anchor_share = 1 leaves no budget for the difference queries this κ needs",
-                             "algorithm.anchor_share")
+            raise UserError("anchor_share = 1 leaves no budget for the difference queries this κ needs",
+                            key="algorithm.anchor_share")
         if cfg.calibration == "paper":
             true = sum(s.planned_costs())
             if true > s.rho * (1 + 1e-12):
-                msg = (f"calibration: paper uses the paper's σ formulas, whose true {run.relation.replace('_', '-')} "
+                msg = (f"calibration: paper uses the paper's σ formulas, whose true {ctx.relation.replace('_', '-')} "
                        f"cost is {true / s.rho:.4g}ρ, not ρ (the paper's Δ = L0/n convention, spec §0.1 and "
                        "[AMBIG-5]); use calibration: exact")
-                if run.accountant.notion == "zcdp":
-                    raise user_error(run, msg, "algorithm.calibration")
+                if stages.accountant.notion == "zcdp":
+                    raise UserError(msg, key="algorithm.calibration")
                 warnings.warn(msg, stacklevel=2)
         if not s.K:
-            self.finished = True  # K ≤ 0: return w0 with no spend (spec §1.1 [REC])
-        self.idx = full_indices(run)
+            self.state.finished = True  # K ≤ 0: return w0 with no spend (spec §1.1 [REC])
+        self.idx = full_indices(stages, ctx)
 
-    def total_steps(self, run):
-        return min(run.recipe.train.steps, self.sched.worst_case_releases if self.sched else 0)
+    def total_steps(self, ctx):
+        return min(ctx.max_steps, self.sched.worst_case_releases if self.sched else 0)
 
-    def done(self, run):
-        return self.finished or run.step >= self.total_steps(run)
+    def done(self, ctx):
+        return self.state.finished or ctx.step >= self.total_steps(ctx)
 
-    def anchor_event(self, run):
-        return run.privatizer.event(self.sched.sigma_hat * run.n_train)
+    def anchor_event(self):
+        return self.stages.privatizer.event(self.sched.sigma_hat * self.sched.n)
 
-    def difference_event(self, run, k: int):
-        priv = run.privatizer
-        return priv.event(float(self.sched.sigma[k]) * run.n_train, priv.increment_clip(float(self.sched.r[k])))
+    def difference_event(self, k: int):
+        priv = self.stages.privatizer
+        return priv.event(float(self.sched.sigma[k]) * self.sched.n, priv.increment_clip(float(self.sched.r[k])))
 
-    def plan(self, run, noise_multiplier):
+    def plan(self, ctx, noise_multiplier):
         """Every remaining charge in the worst case (each round runs its T_k steps)."""
-        s = self.sched
-        if self.finished or not s.K:
+        s, st = self.sched, self.state
+        if st.finished or not s.K:
             return []
         out = []
-        anchors = s.K - self.k - (0 if self.fresh else 1)
+        anchors = s.K - st.k - (0 if st.fresh else 1)
         if anchors:
-            out.append(Charge(self.anchor_event(run), count=anchors))
-        for k in range(self.k, s.K):
+            out.append(Charge(self.anchor_event(), count=anchors))
+        for k in range(st.k, s.K):
             m = int(s.max_differences[k])
-            if k == self.k and not self.fresh:
-                m = int(s.T[k]) - self.t  # differences still to come in the current round
+            if k == st.k and not st.fresh:
+                m = int(s.T[k]) - st.t  # differences still to come in the current round
             if m > 0:
-                out.append(Charge(self.difference_event(run, k), count=m))
+                out.append(Charge(self.difference_event(k), count=m))
         return out
 
     def step(self, run):
-        s, k, n = self.sched, self.k, run.n_train
-        if self.fresh:
+        ctx, s, st = run.ctx, self.sched, self.state
+        k, n = st.k, ctx.n_train
+        if st.fresh:
             run.estimator.reset()
             run.privatizer.reset()
-        std = (s.sigma_hat if self.fresh else float(s.sigma[k])) * n
+        std = (s.sigma_hat if st.fresh else float(s.sigma[k])) * n
         total = run.privatize_batch(self.idx)
-        if total.kind != (GRADIENT if self.fresh else INCREMENT):
+        if total.kind != (GRADIENT if st.fresh else INCREMENT):
             raise RuntimeError("the SPIDER estimator and the controller disagree on the query type")
-        release = run.privatizer.release(total, run, std=std)
+        release = run.privatizer.release(total, ctx, std=std)
         run.charge(release.events)
-        self.fresh = False
-        self.clipped += total.clipped
+        st.fresh = False
+        st.clipped += total.clipped
         v_norm = norm_of(release.value)
         theta, T_k = float(s.theta[k]), int(s.T[k])
-        moved = v_norm >= theta and self.t < T_k
+        moved = v_norm >= theta and st.t < T_k
         if moved:
-            run.update_rule.set_length(float(s.r[k]))
-            run.update_rule.apply(run.params, release, run)
-            self.t += 1
-        metrics = {"round": k + 1, "round_steps": self.t, "v_norm": v_norm, "threshold": theta,
-                   "noise_std": std / n, "moved": float(moved), "clip_activations": self.clipped}
-        if not moved or self.t >= T_k:
-            self.k, self.t, self.fresh = k + 1, 0, True
-            self.finished = self.k >= s.K
-        return StepResult(metrics, done=self.finished)
-
-    def state_dict(self):
-        return {"k": self.k, "t": self.t, "fresh": self.fresh, "finished": self.finished, "clipped": self.clipped}
-
-    def load_state_dict(self, state):
-        self.k, self.t = int(state["k"]), int(state["t"])
-        self.fresh, self.finished = bool(state["fresh"]), bool(state["finished"])
-        self.clipped = int(state.get("clipped", 0))
+            run.update_rule.set_length(float(s.r[k]))  # a NormalizedStep (validate checked it)
+            run.update_rule.apply(ctx.params, release, ctx)
+            st.t += 1
+        metrics = {"round": k + 1, "round_steps": st.t, "v_norm": v_norm, "threshold": theta,
+                   "noise_std": std / n, "moved": float(moved), "clip_activations": st.clipped}
+        if not moved or st.t >= T_k:
+            st.k, st.t, st.fresh = k + 1, 0, True
+            st.finished = st.k >= s.K
+        return StepResult(metrics, done=st.finished)
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,79 +271,81 @@ class KLProximalPoint(Algorithm):
         "accountant": {"name": "zcdp"},
     }
 
-    def setup(self, run):
-        self.t, self.started, self.finished = 0, False, False
+    needs = (Budget,)
+
+    @dataclass
+    class State:
+        t: int = 0              # proximal calls completed
+        started: bool = False   # a call is in progress (the update rule holds its centre)
+        finished: bool = False
+
+    def setup(self, ctx):
         self.sched: ProximalSchedule | None = None
 
-    def validate(self, run):
-        require_full_batch(run, self.name)
-        if not isinstance(run.privatizer, ScheduledGaussian) or isinstance(run.privatizer, SpiderGaussian):
-            raise user_error(run, "kl_proximal_point sets the noise per call: use privatizer scheduled_gaussian",
-                             "privatizer")
-        if not isinstance(run.update_rule, ProxProjectedGD):
-            raise user_error(run, "kl_proximal_point runs Alg. 4: use update prox_projected_gd", "update")
-        if run.estimator.space != DENSE or run.estimator.contribution_kind != GRADIENT:
-            raise user_error(run, "kl_proximal_point needs dense gradient estimates (estimator kl_fullbatch_grad)",
-                             "estimator")
-        cfg = self.cfg
-        kappa = resolve(run, cfg.kappa, "kappa")
+    def validate(self, ctx):
+        stages, cfg = self.stages, self.cfg
+        require_full_batch(stages, self.name)
+        if not isinstance(stages.privatizer, ScheduledGaussian) or isinstance(stages.privatizer, SpiderGaussian):
+            raise UserError("kl_proximal_point sets the noise per call: use privatizer scheduled_gaussian",
+                            key="privatizer")
+        if not isinstance(stages.update_rule, ProxProjectedGD):
+            raise UserError("kl_proximal_point runs Alg. 4: use update prox_projected_gd", key="update")
+        if stages.estimator.space != DENSE or stages.estimator.contribution_kind != GRADIENT:
+            raise UserError("kl_proximal_point needs dense gradient estimates (estimator kl_fullbatch_grad)",
+                            key="estimator")
+        kappa = resolve(stages.objective, cfg.kappa, "kappa")
         if kappa < 2:
-            raise user_error(run, f"kl_proximal_point needs κ ≥ 2, got {kappa:g} (use kl_spider for κ ≤ 2)",
-                             "algorithm.kappa")
-        lt = resolve(run, cfg.weak_convexity, "weak_convexity")
+            raise UserError(f"kl_proximal_point needs κ ≥ 2, got {kappa:g} (use kl_spider for κ ≤ 2)",
+                            key="algorithm.kappa")
+        lt = resolve(stages.objective, cfg.weak_convexity, "weak_convexity")
         if not lt > 0:
-            raise user_error(run, "the objective is convex, so any weak-convexity constant L̃1 > 0 is valid; "
-                                  "give algorithm.weak_convexity (the strength of the proximal term)",
-                             "algorithm.weak_convexity")
+            raise UserError("the objective is convex, so any weak-convexity constant L̃1 > 0 is valid; "
+                            "give algorithm.weak_convexity (the strength of the proximal term)",
+                            key="algorithm.weak_convexity")
         self.sched = ProximalSchedule(
-            n=run.n_train, rho=budget_rho(run), d=n_params(run), beta=cfg.beta, f0=resolve(run, cfg.f0, "f0"),
-            gamma=resolve(run, cfg.gamma, "gamma"), kappa=kappa, lipschitz=run.privatizer.clip,
-            weak_convexity=lt, calibration=cfg.calibration, max_inner_steps=cfg.max_inner_steps,
-            relation=run.relation)
+            n=ctx.n_train, rho=budget_rho(ctx.need(Budget)), d=n_params(ctx.params), beta=cfg.beta,
+            f0=resolve(stages.objective, cfg.f0, "f0"), gamma=resolve(stages.objective, cfg.gamma, "gamma"),
+            kappa=kappa, lipschitz=stages.privatizer.clip, weak_convexity=lt, calibration=cfg.calibration,
+            max_inner_steps=cfg.max_inner_steps, relation=ctx.relation)
         if self.sched.T == 0 or self.sched.T_A < 2:
-            self.finished = True
-        self.idx = full_indices(run)
+            self.state.finished = True
+        self.idx = full_indices(stages, ctx)
 
-    def total_steps(self, run):
-        return min(run.recipe.train.steps, self.sched.worst_case_releases if self.sched else 0)
+    def total_steps(self, ctx):
+        return min(ctx.max_steps, self.sched.worst_case_releases if self.sched else 0)
 
-    def done(self, run):
-        return self.finished or run.step >= self.total_steps(run)
+    def done(self, ctx):
+        return self.state.finished or ctx.step >= self.total_steps(ctx)
 
-    def event(self, run):
-        return run.privatizer.event(self.sched.sigma * run.n_train)
+    def event(self):
+        return self.stages.privatizer.event(self.sched.sigma * self.sched.n)
 
-    def plan(self, run, noise_multiplier):
-        s = self.sched
-        if self.finished:
+    def plan(self, ctx, noise_multiplier):
+        s, st = self.sched, self.state
+        if st.finished:
             return []
-        left = (s.T - self.t) * (s.T_A - 1) - ((run.update_rule.j - 1) if self.started else 0)
-        return [Charge(self.event(run), count=left)] if left > 0 else []
+        left = (s.T - st.t) * (s.T_A - 1) - ((self.stages.update_rule.j - 1) if st.started else 0)
+        return [Charge(self.event(), count=left)] if left > 0 else []
 
     def step(self, run):
-        s, upd = self.sched, run.update_rule
-        if not self.started:
-            upd.begin(run.params, s.weak_convexity, s.radius)
-            self.started = True
+        ctx, s, st = run.ctx, self.sched, self.state
+        upd = run.update_rule  # a ProxProjectedGD (validate checked it)
+        if not st.started:
+            upd.begin(ctx.params, s.weak_convexity, s.radius)
+            st.started = True
         total = run.privatize_batch(self.idx)
-        release = run.privatizer.release(total, run, std=s.sigma * run.n_train)
+        release = run.privatizer.release(total, ctx, std=s.sigma * ctx.n_train)
         run.charge(release.events)
-        upd.apply(run.params, release, run)
-        metrics = {"call": self.t + 1, "inner_step": upd.j - 1, "noise_std": s.sigma}
+        upd.apply(ctx.params, release, ctx)
+        metrics = {"call": st.t + 1, "inner_step": upd.j - 1, "noise_std": s.sigma}
         if upd.j >= s.T_A:
             with torch.no_grad():
                 for k, w in upd.average().items():
-                    run.params[k].copy_(w)
-            self.t += 1
-            self.started = False
-            self.finished = self.t >= s.T
-        return StepResult(metrics, done=self.finished)
-
-    def state_dict(self):
-        return {"t": self.t, "started": self.started, "finished": self.finished}
-
-    def load_state_dict(self, state):
-        self.t, self.started, self.finished = int(state["t"]), bool(state["started"]), bool(state["finished"])
+                    ctx.params[k].copy_(w)
+            st.t += 1
+            st.started = False
+            st.finished = st.t >= s.T
+        return StepResult(metrics, done=st.finished)
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,48 +388,56 @@ class AdaptiveNoisyGD(Algorithm):
         "accountant": {"name": "zcdp"},
     }
 
-    def setup(self, run):
-        self.t, self.phase = 0, "descend"
-        self.trajectory: list[dict[str, torch.Tensor]] = []
+    needs = (Budget,)
+
+    @dataclass
+    class State:
+        t: int = 0                  # descent steps taken
+        phase: str = "descend"      # "descend", "select" (the exponential mechanism is next) or "done"
+        #: the released iterates w_0, w_1, ... (select: exponential; post-processing of releases)
+        trajectory: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+    def setup(self, ctx):
         self.consts: AdaptiveConstants | None = None
 
-    def validate(self, run):
-        require_full_batch(run, self.name)
-        if not isinstance(run.privatizer, ScheduledGaussian) or isinstance(run.privatizer, SpiderGaussian):
-            raise user_error(run, "adaptive_noisy_gd sets σ_t per step: use privatizer scheduled_gaussian",
-                             "privatizer")
-        if run.estimator.contribution_kind != GRADIENT:
-            raise user_error(run, "adaptive_noisy_gd needs gradient estimates, not increments", "estimator")
-        if self.cfg.select == "exponential" and run.estimator.space != DENSE:
-            raise user_error(
-                run,
+    def validate(self, ctx):
+        stages = self.stages
+        require_full_batch(stages, self.name)
+        if not isinstance(stages.privatizer, ScheduledGaussian) or isinstance(stages.privatizer, SpiderGaussian):
+            raise UserError("adaptive_noisy_gd sets σ_t per step: use privatizer scheduled_gaussian", key="privatizer")
+        if stages.estimator.contribution_kind != GRADIENT:
+            raise UserError("adaptive_noisy_gd needs gradient estimates, not increments", key="estimator")
+        if self.cfg.select == "exponential" and stages.estimator.space != DENSE:
+            raise UserError(
                 f"select: exponential scores each iterate by the exact norm of its clipped full-batch gradient "
-                f"(Theorem 5); estimator {run.estimator.name!r} yields {run.estimator.space} estimates, whose norm "
-                f"is not a gradient norm, so the selection would have no stationarity meaning; use select: last "
-                f"or a dense first-order estimator", "algorithm.select")
-        rho = budget_rho(run)
+                f"(Theorem 5); estimator {stages.estimator.name!r} yields {stages.estimator.space} estimates, whose "
+                f"norm is not a gradient norm, so the selection would have no stationarity meaning; use select: last "
+                f"or a dense first-order estimator", key="algorithm.select")
+        rho = budget_rho(ctx.need(Budget))
         self.rho_select = rho * self.cfg.selection_share if self.cfg.select == "exponential" else 0.0
-        self.consts = AdaptiveConstants(n=run.n_train, rho=rho - self.rho_select, beta=self.cfg.beta,
-                                        lipschitz=run.privatizer.clip, relation=run.relation)
-        self.idx = full_indices(run)
+        self.consts = AdaptiveConstants(n=ctx.n_train, rho=rho - self.rho_select, beta=self.cfg.beta,
+                                        lipschitz=stages.privatizer.clip, relation=ctx.relation)
+        self.idx = full_indices(stages, ctx)
 
     @property
     def selection_event(self) -> Exponential:
         return Exponential(epsilon=selection_epsilon(self.rho_select), bounded_range=True)
 
-    def total_steps(self, run):
+    def total_steps(self, ctx):
         cap = self.consts.max_steps + (1 if self.cfg.select == "exponential" else 0) if self.consts else 0
-        return min(run.recipe.train.steps, cap)
+        return min(ctx.max_steps, cap)
 
-    def done(self, run):
-        return self.phase == "done" or run.step >= self.total_steps(run)
+    def done(self, ctx):
+        return self.state.phase == "done" or ctx.step >= self.total_steps(ctx)
 
-    def plan(self, run, noise_multiplier):
+    def plan(self, ctx, noise_multiplier):
         return []  # adaptive: the filter guards the budget
+
+    # -- the step, and its parts (called only from it, so they see the run) ----------------------
 
     def _fits(self, run, event) -> bool:
         """Whether the filter affords ``event`` (with the selection's share still reserved)."""
-        charges = run.sampler.account(run.step, [event], run)
+        charges = run.sampler.account(run.ctx.step, [event], run.ctx)
         if self.cfg.select == "exponential":
             charges = charges + [Charge(self.selection_event)]
         return run.accountant.can_afford(charges)
@@ -422,33 +447,34 @@ class AdaptiveNoisyGD(Algorithm):
         share), if σ' ≤ 2σ_t: one last, slightly noisier step instead of stopping with budget left.
         σ' depends only on the ledger and N_t, so the filter argument is unchanged."""
         acc = run.accountant
-        if not self.cfg.clamp_last or not (hasattr(acc, "budget_rho") and hasattr(acc, "rho")):
+        if not self.cfg.clamp_last or not isinstance(acc, RhoBudgeted):
             return None
         remaining = acc.budget_rho() - acc.rho() - self.rho_select
         if not remaining > 0:
             return None
-        clamped = run.privatizer.sensitivity() / math.sqrt(2.0 * remaining) / run.n_train * (1 + 1e-9)
-        if clamped > 2.0 * sigma or not self._fits(run, run.privatizer.event(clamped * run.n_train)):
+        clamped = run.privatizer.sensitivity() / math.sqrt(2.0 * remaining) / run.ctx.n_train * (1 + 1e-9)
+        if clamped > 2.0 * sigma or not self._fits(run, run.privatizer.event(clamped * run.ctx.n_train)):
             return None
         return clamped
 
     def step(self, run):
+        ctx, st = run.ctx, self.state
         selecting = self.cfg.select == "exponential"
-        if selecting and not self.trajectory:
-            self.trajectory.append({k: v.detach().clone() for k, v in run.params.items()})
+        if selecting and not st.trajectory:
+            st.trajectory.append({k: v.detach().clone() for k, v in ctx.params.items()})
         # the last step train.steps allows is the selection, so 3-SP's output never falls back to w_T
-        if self.phase == "select" or (selecting and run.step + 1 >= self.total_steps(run)):
+        if st.phase == "select" or (selecting and ctx.step + 1 >= self.total_steps(ctx)):
             return self._select(run)
-        c, priv, n = self.consts, run.privatizer, run.n_train
+        c, priv, n = self.consts, run.privatizer, ctx.n_train
         total = run.privatize_batch(self.idx)
         dim = total.aggregate.numel
         # the scalar norm query: |‖S‖ − ‖S′‖| ≤ ‖S − S′‖, so it has the clipped sum's sensitivity
         norm_sum = ClippedSum(DenseAggregate({"norm": torch.tensor([norm_of(total.aggregate)], dtype=torch.float64)}),
                               count=total.count, kind=GRADIENT)
         if not self._fits(run, priv.event(c.sigma_norm * n)):
-            run.undo_displacement()
+            ctx.undo_displacement()
             return self._select(run)
-        r_norm = priv.release(norm_sum, run, std=c.sigma_norm * n)
+        r_norm = priv.release(norm_sum, ctx, std=c.sigma_norm * n)
         run.charge(r_norm.events)
         noisy_norm = float(r_norm.value.tensors["norm"])
         sigma = c.sigma_t(noisy_norm, dim)  # from N_t only, never from the exact norm
@@ -456,56 +482,61 @@ class AdaptiveNoisyGD(Algorithm):
         if not self._fits(run, priv.event(sigma * n)):
             last = self._clamped_sigma(run, sigma)
             if last is None:
-                run.undo_displacement()
+                ctx.undo_displacement()
                 return self._select(run)
             sigma, clamped = last, True
-        release = priv.release(total, run, std=sigma * n)
+        release = priv.release(total, ctx, std=sigma * n)
         run.charge(release.events)
-        run.update_rule.apply(run.params, release, run)
-        self.t += 1
+        run.update_rule.apply(ctx.params, release, ctx)
+        st.t += 1
         floor = sigma == c.sigma_min
-        if self.cfg.select == "exponential":
-            self.trajectory.append({k: v.detach().clone() for k, v in run.params.items()})
+        if selecting:
+            st.trajectory.append({k: v.detach().clone() for k, v in ctx.params.items()})
         metrics = {"noisy_norm": noisy_norm, "sigma": sigma, "at_floor": float(floor), "clamped": float(clamped),
                    "step_cost": c.step_cost(sigma), "clipped_fraction": total.clipped / max(total.count, 1)}
         if clamped or (floor and self.cfg.stop_on_floor):  # stop_on_floor: Lemma 11 made exact (spec §1.3)
-            self.phase = "select" if self.cfg.select == "exponential" else "done"
-        return StepResult(metrics, done=self.phase == "done")
+            st.phase = "select" if selecting else "done"
+        return StepResult(metrics, done=st.phase == "done")
 
     def _select(self, run):
         """Theorem 5: t* ∝ exp(−ε‖ḡ(w_t)‖/(2Δu)) over the released iterates, charged ε²/8."""
+        ctx, st = run.ctx, self.state
         if self.cfg.select != "exponential":
-            raise BudgetExhausted(f"the filter cannot afford step {run.step} (ρ left: less than its cost)")
-        saved = {k: v.detach().clone() for k, v in run.params.items()}
+            raise BudgetExhausted(f"the filter cannot afford step {ctx.step} (ρ left: less than its cost)")
+        saved = {k: v.detach().clone() for k, v in ctx.params.items()}
         norms = []
         with torch.no_grad():
-            for w in self.trajectory:
+            for w in st.trajectory:
                 for k, v in w.items():
-                    run.params[k].copy_(v)
-                norms.append(norm_of(run.privatize_batch(self.idx).aggregate) / run.n_train)
+                    ctx.params[k].copy_(v)
+                norms.append(norm_of(run.privatize_batch(self.idx).aggregate) / ctx.n_train)
             for k, v in saved.items():
-                run.params[k].copy_(v)
+                ctx.params[k].copy_(v)
         event = self.selection_event
-        log_p = exponential_log_weights(norms, event.epsilon, run.privatizer.sensitivity() / run.n_train)
-        u = float(run.secret("select_iterate", run.step).uniform(1))
+        log_p = exponential_log_weights(norms, event.epsilon, run.privatizer.sensitivity() / ctx.n_train)
+        u = float(ctx.rng.secret("select_iterate", ctx.step).uniform(1))
         chosen = int(min(np.searchsorted(np.cumsum(np.exp(log_p)), u, side="right"), len(norms) - 1))
         run.charge([event])
         with torch.no_grad():
-            for k, v in self.trajectory[chosen].items():
-                run.params[k].copy_(v)
-        self.phase = "done"
+            for k, v in st.trajectory[chosen].items():
+                ctx.params[k].copy_(v)
+        st.phase = "done"
         return StepResult({"selected_iterate": chosen, "candidates": len(norms)}, done=True)
 
+    # Custom serialisation of one field: the iterates are stacked into one tensor per parameter, not
+    # written as one tensor per iterate (a run keeps up to n√ρ/2 of them: a checkpoint entry each).
     def state_dict(self):
-        out = {"t": self.t, "phase": self.phase}
-        if self.trajectory:  # released iterates (post-processing), stacked per parameter
-            out["trajectory"] = {k: torch.stack([w[k] for w in self.trajectory]) for k in self.trajectory[0]}
+        out = super().state_dict()
+        traj = out.pop("trajectory")
+        if traj:  # released iterates (post-processing), stacked per parameter
+            out["trajectory"] = {k: torch.stack([w[k] for w in traj]) for k in traj[0]}
         return out
 
     def load_state_dict(self, state):
-        self.t, self.phase = int(state["t"]), state["phase"]
-        traj = state.get("trajectory")
-        self.trajectory = [] if not traj else [
+        state = dict(state)
+        traj = state.pop("trajectory", None)
+        super().load_state_dict(state)
+        self.state.trajectory = [] if not traj else [
             {k: v[i].clone() for k, v in traj.items()} for i in range(len(next(iter(traj.values()))))]
 
 

@@ -1,16 +1,22 @@
 """Full-batch first-order estimators: per-record gradients, and SPIDER's anchor/difference queries.
 
-Both yield dense per-example contributions. Objectives of this plugin give closed-form per-record
-gradients over *distinct* records with multiplicities (see ``objectives``); any other objective with
-``functional_losses`` gets per-example gradients from ``torch.func``.
+Both yield dense per-example contributions. Objectives with closed-form per-record gradients over
+*distinct* records with multiplicities (:class:`~dpreg_kl.common.GroupedRecords`, as this plugin's
+are) are queried directly; any other objective with ``functional_losses`` gets per-example
+gradients from ``torch.func``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from dpregistry import Estimator, UserError
 from dpregistry.spaces import DENSE, GRADIENT, INCREMENT, DenseAggregate, DenseContribution
+
+from .common import GroupedRecords
+from .updates import StepBound
 
 
 class GroupedDenseContribution(DenseContribution):
@@ -37,7 +43,7 @@ class GroupedDenseContribution(DenseContribution):
 
 def per_record(objective, params: dict[str, torch.Tensor], indices: torch.Tensor):
     """(per-example gradients {name: [m, ...]}, losses [m], counts [m] or None) at ``params``."""
-    if hasattr(objective, "record_groups"):
+    if isinstance(objective, GroupedRecords):
         keys, counts = objective.record_groups(indices)
         w = params["w"]
         return ({"w": objective.per_record_grads(w, keys)}, objective.per_record_losses(w, keys), counts)
@@ -71,8 +77,8 @@ class FullBatchGrad(Estimator):
     name = "kl_fullbatch_grad"
     space = DENSE
 
-    def contributions(self, objective, indices, run):
-        grads, losses, counts = per_record(objective, run.params, indices)
+    def contributions(self, objective, indices, ctx):
+        grads, losses, counts = per_record(objective, ctx.params, indices)
         yield contribution(grads, losses, counts)
 
 
@@ -81,10 +87,11 @@ class SpiderFullBatch(Estimator):
 
     After a reset the contribution is each record's gradient at w (a GRADIENT). After that it is
     each record's ∇f(w; x) − ∇f(w_prev; x), w_prev the point of the previous query (an INCREMENT),
-    with ``info["step_bound"]``, a public bound on ‖w − w_prev‖: the update rule's ``step_bound``
-    when it exposes one (normalised steps have length exactly r_k), else the measured distance.
-    Both points are post-processing of releases, so the bound is public; the privatizer clips
-    each difference to L1·step_bound, which bounds the sensitivity whatever the loss (spec §1.1).
+    with ``info["step_bound"]``, a public bound on ‖w − w_prev‖: the update rule's
+    :class:`~dpreg_kl.updates.StepBound` (normalised steps have length exactly r_k), or the measured
+    distance before the rule has stepped. Both points are post-processing of releases, so the bound
+    is public; the privatizer clips each difference to L1·step_bound, which bounds the sensitivity
+    whatever the loss (spec §1.1).
 
     State: w_prev (checkpointed). The controller resets at each round start.
     """
@@ -92,38 +99,34 @@ class SpiderFullBatch(Estimator):
     name = "spider_fullbatch"
     space = DENSE
     contribution_kind = INCREMENT  # it yields increments (and a GRADIENT anchor after each reset)
+    needs = (StepBound,)
 
-    def setup(self, run):
-        self.prev: dict[str, torch.Tensor] | None = None
+    @dataclass
+    class State:
+        prev: dict[str, torch.Tensor] | None = None  # the point of the previous query
 
     def reset(self):
-        self.prev = None
+        self.state.prev = None
 
-    def contributions(self, objective, indices, run):
-        here = {k: v.detach().clone() for k, v in run.params.items()}
+    def contributions(self, objective, indices, ctx):
+        here = {k: v.detach().clone() for k, v in ctx.params.items()}
         grads, losses, counts = per_record(objective, here, indices)
-        if self.prev is None:
-            self.prev = here
+        prev = self.state.prev
+        if prev is None:
+            self.state.prev = here
             yield contribution(grads, losses, counts, kind=GRADIENT)
             return
-        old, _, _ = per_record(objective, self.prev, indices)
-        moved = float(torch.sqrt(sum(((here[k] - self.prev[k]).double() ** 2).sum() for k in here)))
-        bound = getattr(run.update_rule, "step_bound", None)
+        old, _, _ = per_record(objective, prev, indices)
+        moved = float(torch.sqrt(sum(((here[k] - prev[k]).double() ** 2).sum() for k in here)))
+        bound = ctx.need(StepBound).length
         if bound is None:
             bound = moved
         elif moved > bound * (1 + 1e-12):
             raise RuntimeError(f"the parameters moved {moved!r} since the last query, more than the update "
                                f"rule's step bound {bound!r}")
-        self.prev = here
+        self.state.prev = here
         diffs = {k: grads[k] - old[k] for k in grads}
         yield contribution(diffs, losses, counts, kind=INCREMENT, info={"step_bound": float(bound)})
-
-    def state_dict(self):
-        return {"prev": dict(self.prev) if self.prev is not None else None}
-
-    def load_state_dict(self, state):
-        prev = state.get("prev")
-        self.prev = dict(prev) if prev else None
 
 
 ESTIMATORS = (FullBatchGrad, SpiderFullBatch)

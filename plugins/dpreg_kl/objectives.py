@@ -9,9 +9,10 @@ gradients and clip weights), at a cost independent of n, so n√ρ can reach 1e8
 
 ``kl_constants()`` declares constants that do not depend on the private data (only on the public
 design, the regularisation and public bounds): L0 (Lipschitz on the declared ball), L1 (per-sample
-smoothness), (γ, κ) of the KL* condition, F0 ≥ F(w0) − F*, and the weak-convexity constant. The
-algorithms read them when a recipe says ``auto``. A wrong constant hurts utility, never privacy:
-privacy comes from clipping (spec §4, coupling 8).
+smoothness), (γ, κ) of the KL* condition, F0 ≥ F(w0) − F*, and the weak-convexity constant
+(:class:`~dpreg_kl.common.KLConstants`). The algorithms and privatizers read them when a recipe
+says ``auto``. A wrong constant hurts utility, never privacy: privacy comes from clipping (spec §4,
+coupling 8).
 """
 
 from __future__ import annotations
@@ -25,23 +26,25 @@ from pydantic import Field
 from dpregistry import Objective, StageParams, UserError
 from dpregistry.data import load_tabular
 
+from .common import DeclaresKLConstants, GroupedRecords, KLConstants
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-class LinearKLObjective(Objective):
+class LinearKLObjective(Objective, DeclaresKLConstants, GroupedRecords):
     """Shared machinery: params {"w"}, grouped records, exact full-batch values, evaluation."""
 
-    def setup(self, run):
+    def setup(self, ctx):
         self.dtype = DTYPES[self.cfg.dtype]
-        self.build(run)
+        self.build()
         self.w = torch.zeros(self.d, dtype=self.dtype)
         self._groups_key = None
         self._groups = None
         self._all = None
 
-    # -- subclasses ---------------------------------------------------------------------------
+    # -- subclasses (and per_record_losses, per_record_grads, kl_constants: see .common) -------
 
-    def build(self, run) -> None:
+    def build(self) -> None:
         raise NotImplementedError
 
     def record_keys(self, indices: torch.Tensor) -> torch.Tensor:
@@ -52,18 +55,8 @@ class LinearKLObjective(Objective):
         """(distinct records, multiplicities) of the whole training set."""
         raise NotImplementedError
 
-    def per_record_losses(self, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def per_record_grads(self, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """[m, d] per-record gradients at w."""
-        raise NotImplementedError
-
     def optimum_value(self) -> float:
         """F* = min F (non-private: only for the excess-risk diagnostic)."""
-        raise NotImplementedError
-
-    def kl_constants(self) -> dict[str, float]:
         raise NotImplementedError
 
     # -- the objective contract ---------------------------------------------------------------
@@ -144,7 +137,7 @@ class PowerObjective(LinearKLObjective):
     name = "kl_power"
     Params = PowerParams
 
-    def build(self, run):
+    def build(self):
         p = self.cfg
         if p.n % p.dim:
             raise UserError(f"n = {p.n} must be a multiple of dim = {p.dim} (every axis record equally often)",
@@ -180,11 +173,9 @@ class PowerObjective(LinearKLObjective):
         kappa = p / (p - 1)
         q = 2 * (p - 1)
         gamma_k = d ** (kappa - p / q) / p if p >= 2 else d ** (kappa - 1) / p
-        out = {"kappa": kappa, "gamma": gamma_k ** (1 / kappa), "lipschitz": R ** (p - 1),
-               "f0": float(self.w_star.abs().pow(p).sum()) / (p * d), "weak_convexity": 0.0}
-        if p >= 2:
-            out["smoothness"] = (p - 1) * R ** (p - 2)
-        return out
+        return KLConstants(kappa=kappa, gamma=gamma_k ** (1 / kappa), lipschitz=R ** (p - 1),
+                           f0=float(self.w_star.abs().pow(p).sum()) / (p * d), weak_convexity=0.0,
+                           smoothness=(p - 1) * R ** (p - 2) if p >= 2 else None)
 
 
 # ------------------------------------------------------------------------------------------
@@ -207,7 +198,7 @@ class TabularKL(LinearKLObjective):
     task = ""
     _full_key = None
 
-    def build(self, run):
+    def build(self):
         t = load_tabular(self.cfg.dataset, test_fraction=self.cfg.test_fraction, seed=self.cfg.seed,
                          dtype=torch.float64)
         if t.task != self.task:
@@ -295,8 +286,8 @@ class LeastSquares(TabularKL):
 
     def kl_constants(self):
         lam, R, Y = self.cfg.regularization, self.cfg.radius, self.cfg.target_bound
-        return {"kappa": 2.0, "gamma": 1.0 / math.sqrt(2 * lam), "lipschitz": R + Y + lam * R,
-                "smoothness": 1.0 + lam, "f0": 0.5 * Y * Y, "weak_convexity": 0.0}
+        return KLConstants(kappa=2.0, gamma=1.0 / math.sqrt(2 * lam), lipschitz=R + Y + lam * R,
+                           smoothness=1.0 + lam, f0=0.5 * Y * Y, weak_convexity=0.0)
 
     @torch.no_grad()
     def evaluate(self):
@@ -343,8 +334,8 @@ class Logistic(TabularKL):
 
     def kl_constants(self):
         lam, R = self.cfg.regularization, self.cfg.radius
-        return {"kappa": 2.0, "gamma": 1.0 / math.sqrt(2 * lam), "lipschitz": 1.0 + lam * R,
-                "smoothness": 0.25 + lam, "f0": math.log(2.0), "weak_convexity": 0.0}
+        return KLConstants(kappa=2.0, gamma=1.0 / math.sqrt(2 * lam), lipschitz=1.0 + lam * R,
+                           smoothness=0.25 + lam, f0=math.log(2.0), weak_convexity=0.0)
 
     @torch.no_grad()
     def evaluate(self):

@@ -10,17 +10,18 @@ relation (2C for replace-one), so the accountant charges Δ²/(2σ²) of the σ 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from pydantic import Field
 
-from dpregistry import Privatizer, Release, StageParams
+from dpregistry import Objective, Privatizer, Release, StageParams, UserError
 from dpregistry.clipping import clip_and_sum
 from dpregistry.privacy.events import Gaussian, clipped_sum_sensitivity
 from dpregistry.spaces import GRADIENT, INCREMENT, DenseAggregate
 
-from .common import declared, user_error
+from .common import declared
 
 
 class ScheduledParams(StageParams):
@@ -33,14 +34,16 @@ class ScheduledGaussian(Privatizer):
 
     name = "scheduled_gaussian"
     Params = ScheduledParams
+    needs = (Objective,)  # for ``auto``: its declared constants (KLConstants)
 
-    def setup(self, run):
-        self.relation = run.relation
-        self.clip = declared(run, "lipschitz", "privatizer.clip") if self.cfg.clip == "auto" else float(self.cfg.clip)
+    def setup(self, ctx):
+        self.relation = ctx.relation
+        self.clip = (declared(ctx.need(Objective), "lipschitz", "privatizer.clip") if self.cfg.clip == "auto"
+                     else float(self.cfg.clip))
 
-    def validate(self, run):
+    def validate(self, ctx):
         if not (self.clip > 0 and math.isfinite(self.clip)):
-            raise user_error(run, "clip must be positive and finite: it bounds the sensitivity", "privatizer.clip")
+            raise UserError("clip must be positive and finite: it bounds the sensitivity", key="privatizer.clip")
 
     def sensitivity(self, clip: float | None = None) -> float:
         """L2 distance between neighbouring clipped sums (2C replace-one, C add/remove)."""
@@ -49,23 +52,23 @@ class ScheduledGaussian(Privatizer):
     def event(self, std: float, clip: float | None = None) -> Gaussian:
         return Gaussian(std=std, sensitivity=self.sensitivity(clip))
 
-    def planned_events(self, noise_multiplier, run):
+    def planned_events(self, noise_multiplier, ctx):
         return [self.event(noise_multiplier * self.clip)]
 
     def clip_sum(self, contribution):
         return clip_and_sum(contribution, self.clip)
 
-    def _noise(self, total, run, std):
+    def _noise(self, total, ctx, std):
         if std is None or not (std > 0 and math.isfinite(std)):
             raise RuntimeError(f"{self.name} releases only with a positive std set by the algorithm, got {std!r}")
         agg = total.aggregate
-        agg.add_noise_(std, run.noise())
-        n = run.sampler.expected_batch_size(run)
+        agg.add_noise_(std, ctx.noise())
+        n = ctx.expected_batch_size()
         agg.mul_(1.0 / n)
         return agg, n
 
-    def release(self, total, run, *, std=None):
-        agg, n = self._noise(total, run, std)
+    def release(self, total, ctx, *, std=None):
+        agg, n = self._noise(total, ctx, std)
         return Release(agg, [self.event(std)], kind=total.kind, stats={"noise_std": std / n})
 
 
@@ -88,23 +91,26 @@ class SpiderGaussian(ScheduledGaussian):
     accepts_kinds = frozenset({GRADIENT, INCREMENT})
     Params = SpiderGaussianParams
 
-    def setup(self, run):
-        super().setup(run)
-        self.smoothness = (declared(run, "smoothness", "privatizer.smoothness") if self.cfg.smoothness == "auto"
-                           else float(self.cfg.smoothness))
-        self.v: dict[str, torch.Tensor] | None = None
-        self._pending: float | None = None
+    @dataclass
+    class State:
+        v: dict[str, torch.Tensor] | None = None  # the running estimate (None until a round's anchor)
 
-    def validate(self, run):
-        super().validate(run)
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.smoothness = (declared(ctx.need(Objective), "smoothness", "privatizer.smoothness")
+                           if self.cfg.smoothness == "auto" else float(self.cfg.smoothness))
+        self._pending: float | None = None  # the clip of the sum about to be released (within a step)
+
+    def validate(self, ctx):
+        super().validate(ctx)
         if not (self.smoothness > 0 and math.isfinite(self.smoothness)):
-            raise user_error(run, "smoothness must be positive and finite", "privatizer.smoothness")
+            raise UserError("smoothness must be positive and finite", key="privatizer.smoothness")
 
     def increment_clip(self, step_bound: float) -> float:
         return self.smoothness * step_bound
 
     def reset(self):
-        self.v = None
+        self.state.v = None
 
     def clip_sum(self, contribution):
         if contribution.kind == INCREMENT:
@@ -118,27 +124,21 @@ class SpiderGaussian(ScheduledGaussian):
         self._pending = clip
         return clip_and_sum(contribution, clip)
 
-    def release(self, total, run, *, std=None):
+    def release(self, total, ctx, *, std=None):
         clip, self._pending = self._pending, None
         if clip is None:
             raise RuntimeError("release without a clipped sum")
-        agg, n = self._noise(total, run, std)
+        agg, n = self._noise(total, ctx, std)
+        s = self.state
         if total.kind == INCREMENT:
-            if self.v is None:
+            if s.v is None:
                 raise RuntimeError("an increment before any anchor: reset() starts a round with an anchor")
             for k, t in agg.tensors.items():
-                self.v[k].add_(t)
+                s.v[k].add_(t)
         else:
-            self.v = {k: t.clone() for k, t in agg.tensors.items()}
-        value = DenseAggregate({k: t.clone() for k, t in self.v.items()})
+            s.v = {k: t.clone() for k, t in agg.tensors.items()}
+        value = DenseAggregate({k: t.clone() for k, t in s.v.items()})
         return Release(value, [self.event(std, clip)], kind=GRADIENT, stats={"noise_std": std / n})
-
-    def state_dict(self):
-        return {"v": dict(self.v) if self.v is not None else None}
-
-    def load_state_dict(self, state):
-        v = state.get("v")
-        self.v = {k: t.clone() for k, t in v.items()} if v else None
 
 
 PRIVATIZERS = (ScheduledGaussian, SpiderGaussian)

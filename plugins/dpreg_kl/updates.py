@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from dpregistry import StageParams, UpdateRule
 from dpregistry.spaces import DENSE
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """A public bound on the length of the update rule's last step, ‖w_t − w_{t−1}‖ (None before
+    its first step): post-processing of releases, so a sensitivity may depend on it."""
+
+    length: float | None
 
 
 def _norm(tensors) -> float:
@@ -17,30 +26,36 @@ def _norm(tensors) -> float:
 class NormalizedStep(UpdateRule):
     """w ← w − r·v/‖v‖: a step of length exactly r (KL-Spider, η_{k,t} = r_k/‖v‖).
 
-    The controller sets r per step (``set_length``). The rule guarantees ‖w_new − w‖ ≤ r in
-    floating point (it shrinks the step by a few ulps if rounding overshoots) and exposes
-    ``step_bound = r``: the SPIDER difference query clips each per-sample difference to L1·r, so
+    The controller sets r before each step (``set_length``). The rule guarantees ‖w_new − w‖ ≤ r
+    in floating point (it shrinks the step by a few ulps if rounding overshoots) and provides
+    :class:`StepBound` r: the SPIDER difference query clips each per-sample difference to L1·r, so
     its sensitivity is data-independent (spec §4, coupling 3).
     """
 
     name = "normalized_step"
     accepts = frozenset({DENSE})
     Params = StageParams
+    provides = (StepBound,)
 
-    def setup(self, run):
-        self.length: float | None = None
-        self.step_bound: float | None = None
+    @dataclass
+    class State:
+        length: float | None = None      # r of the next step, set by the controller
+        step_bound: float | None = None  # r of the last step taken (the next difference query's clip needs it)
+
+    def provide(self, kind):
+        return StepBound(self.state.step_bound)
 
     def set_length(self, r: float) -> None:
+        """The length r of the next step (the controller's r_k)."""
         if not (r > 0 and math.isfinite(r)):
             raise ValueError(f"step length must be positive and finite, got {r!r}")
-        self.length = float(r)
+        self.state.length = float(r)
 
     @torch.no_grad()
-    def apply(self, params, release, run):
-        if self.length is None:
+    def apply(self, params, release, ctx):
+        if self.state.length is None:
             raise RuntimeError("normalized_step needs its length from the controller (set_length)")
-        r = self.length
+        r = self.state.length
         v = release.value.lift(params)
         vn = _norm(v.values())
         if not (vn > 0 and math.isfinite(vn)):
@@ -58,15 +73,7 @@ class NormalizedStep(UpdateRule):
             raise RuntimeError("could not keep the step within its length")
         for k in params:
             params[k].copy_(new[k])
-        self.step_bound = r
-
-    def state_dict(self):
-        # the next difference query's clip depends on the last step's bound: resume needs it
-        return {"length": self.length, "step_bound": self.step_bound}
-
-    def load_state_dict(self, state):
-        self.length = state.get("length")
-        self.step_bound = state.get("step_bound")
+        self.state.step_bound = r
 
 
 class ProxProjectedGD(UpdateRule):
@@ -82,50 +89,48 @@ class ProxProjectedGD(UpdateRule):
     accepts = frozenset({DENSE})
     Params = StageParams
 
-    def setup(self, run):
-        self.centre: dict[str, torch.Tensor] | None = None
-        self.acc: dict[str, torch.Tensor] | None = None
-        self.j = 0
-        self.prox = 0.0
-        self.radius = 0.0
+    @dataclass
+    class State:
+        centre: dict[str, torch.Tensor] | None = None  # c = u_1 of the current call
+        acc: dict[str, torch.Tensor] | None = None     # Σ j·u_j so far
+        j: int = 0                                     # the index of the current iterate u_j
+        prox: float = 0.0                              # L̃1
+        radius: float = 0.0                            # R
+
+    @property
+    def j(self) -> int:
+        """The index j of the current iterate u_j in the call (1 after ``begin``)."""
+        return self.state.j
 
     @torch.no_grad()
     def begin(self, params, prox: float, radius: float) -> None:
-        self.centre = {k: v.detach().clone() for k, v in params.items()}
-        self.acc = {k: v.detach().clone() for k, v in params.items()}  # 1·u_1
-        self.j = 1
-        self.prox, self.radius = float(prox), float(radius)
+        """Start a proximal call at c = u_1 = ``params`` with L̃1 = ``prox`` and R = ``radius``."""
+        self.state = self.State(centre={k: v.detach().clone() for k, v in params.items()},
+                                acc={k: v.detach().clone() for k, v in params.items()},  # 1·u_1
+                                j=1, prox=float(prox), radius=float(radius))
 
     @torch.no_grad()
-    def apply(self, params, release, run):
-        if self.centre is None:
+    def apply(self, params, release, ctx):
+        s = self.state
+        if s.centre is None:
             raise RuntimeError("prox_projected_gd: begin() a proximal call first")
         g = release.value.lift(params)
-        lr = 1.0 / (self.prox * self.j)
+        lr = 1.0 / (s.prox * s.j)
         moved = {}
         for k, u in params.items():
-            step = g[k].to(u.dtype) + 2.0 * self.prox * (u - self.centre[k])
-            moved[k] = u - lr * step - self.centre[k]
+            step = g[k].to(u.dtype) + 2.0 * s.prox * (u - s.centre[k])
+            moved[k] = u - lr * step - s.centre[k]
         dist = _norm(moved.values())
-        shrink = 1.0 if dist <= self.radius else self.radius / dist
-        self.j += 1
+        shrink = 1.0 if dist <= s.radius else s.radius / dist
+        s.j += 1
         for k, u in params.items():
-            u.copy_(self.centre[k] + shrink * moved[k])
-            self.acc[k].add_(u, alpha=float(self.j))
+            u.copy_(s.centre[k] + shrink * moved[k])
+            s.acc[k].add_(u, alpha=float(s.j))
 
     def average(self) -> dict[str, torch.Tensor]:
-        J = self.j
-        return {k: a * (2.0 / (J * (J + 1))) for k, a in self.acc.items()}
-
-    def state_dict(self):
-        return {"centre": self.centre, "acc": self.acc, "j": self.j, "prox": self.prox, "radius": self.radius}
-
-    def load_state_dict(self, state):
-        self.centre = dict(state["centre"]) if state.get("centre") else None
-        self.acc = {k: v.clone() for k, v in state["acc"].items()} if state.get("acc") else None
-        self.j = int(state.get("j", 0))
-        self.prox = float(state.get("prox", 0.0))
-        self.radius = float(state.get("radius", 0.0))
+        """ū = 2/(J(J+1)) Σ_{j=1}^{J} j·u_j over the call's iterates so far (J = T_A at its end)."""
+        J = self.state.j
+        return {k: a * (2.0 / (J * (J + 1))) for k, a in self.state.acc.items()}
 
 
 UPDATE_RULES = (NormalizedStep, ProxProjectedGD)
