@@ -9,7 +9,7 @@ n√ρ grows through n up to 1e7, then through ρ (every constant depends on n a
     python benchmarks/kl_rates.py --seeds 3 --out runs/bench/kl_rates
 
 Prints each sweep's medians and slope next to the theory and writes ``kl_rates.png`` and
-``kl_rates.json`` to --out. Targets (issue 7): Alg. 1 on the PL quadratic about −1.9 (theory −2);
+``kl_rates.json`` to --out. ``sweep`` is also the reduced-grid rate test's (tests/test_kl_rate.py). Targets (issue 7): Alg. 1 on the PL quadratic about −1.9 (theory −2);
 on the quartic Alg. 1 about −1.25 (theory −4/3) and Alg. 3 approaching −1 (Theorem 4's first term;
 its second term, the norm query's noise floor, decays as (n√ρ)^{−κ/2} = (n√ρ)^{−2/3}).
 """
@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 SWEEPS = [
     # name, algorithm, power, sizes of n√ρ, fixed n (None: n = min(n√ρ, 1e7)), theory slope, target
@@ -41,6 +45,56 @@ NOTES = {"adaptive_noisy_gd": lambda p: (f"Theorem 4's terms have slopes {-2 * (
                                          f"and {-(p / (p - 1)) / 2:.3f}; the slower one dominates asymptotically")}
 
 
+MAX_N = 10_000_000  # above this n√ρ grows through ρ (every constant depends on n and ρ only via n√ρ)
+
+
+def split(n_sqrt_rho: float, dim: int = 5, n: int | None = None) -> tuple[int, float]:
+    """(n, ρ) with n√ρ = the target: n up to MAX_N (a multiple of dim) at ρ = 1, then ρ grows;
+    or the given n, with ρ = (target/n)²."""
+    n = (int(min(n_sqrt_rho, MAX_N)) if n is None else int(n)) // dim * dim
+    return n, (n_sqrt_rho / n) ** 2
+
+
+def run_point(algorithm: str, *, power: float, n_sqrt_rho: float, seed: int, dim: int = 5, n: int | None = None,
+              algorithm_params: dict | None = None) -> dict[str, Any]:
+    """One full run of a registered preset on the axis design; its excess risk, releases and spent ρ."""
+    from dpregistry.recipe import resolve
+    from dpregistry.registry import get_registry
+    from dpregistry.run import Run
+
+    from dpreg_kl.algorithms import KLSpider
+
+    n, rho = split(n_sqrt_rho, dim, n)
+    smoothness = (power - 1.0)  # on the unit ball around w* (radius 1)
+    data = {"seed": seed, "algorithm": {"name": algorithm, **(algorithm_params or {})},
+            "objective": {"name": "kl_power", "dim": dim, "n": n, "power": power},
+            "privacy": {"rho": rho}, "train": {"steps": 10**8, "log_every": 10**8}}
+    if algorithm == "adaptive_noisy_gd":
+        data["update"] = {"name": "sgd", "lr": 1.0 / (2.0 * smoothness)}  # η = 1/(2L1)
+    recipe = resolve(data, {}, get_registry(), source=f"<{algorithm} n√ρ={n_sqrt_rho:g} seed={seed}>")
+    run = Run(recipe).prepare()
+    summary = run.train()
+    return {"excess": run.objective.excess_risk(), "steps": summary["step"], "rho": run.accountant.rho(),
+            "budget": rho, "n": n, "n_sqrt_rho": n * math.sqrt(rho), "stopped": summary["stopped"],
+            "phi_floor": run.algorithm.sched.phi_floor if isinstance(run.algorithm, KLSpider) else None}
+
+
+def loglog_slope(xs, ys) -> float:
+    """Least-squares slope of log10 y against log10 x."""
+    lx, ly = np.log10(np.asarray(xs, float)), np.log10(np.asarray(ys, float))
+    return float(np.polyfit(lx, ly, 1)[0])
+
+
+def sweep(algorithm: str, *, power: float, sizes, seeds, **kw) -> list[dict[str, Any]]:
+    """Median excess risk over ``seeds`` at each n√ρ in ``sizes`` (in this process)."""
+    out = []
+    for size in sizes:
+        runs = [run_point(algorithm, power=power, n_sqrt_rho=size, seed=s, **kw) for s in seeds]
+        out.append({"n_sqrt_rho": size, "median_excess": statistics.median(r["excess"] for r in runs),
+                    "runs": runs})
+    return out
+
+
 def _init():
     import torch
 
@@ -49,8 +103,6 @@ def _init():
 
 def _point(args):
     algorithm, power, size, n, seed = args
-    from dpreg_kl.rates import run_point
-
     t0 = time.time()
     r = run_point(algorithm, power=power, n_sqrt_rho=size, seed=seed, n=n)
     r["seconds"] = time.time() - t0
@@ -70,8 +122,6 @@ def main(argv=None):
     t0 = time.time()
     with mp.get_context("spawn").Pool(args.workers, initializer=_init) as pool:
         results = dict(pool.imap_unordered(_point, jobs))
-    from dpreg_kl.rates import loglog_slope
-
     report, worst_privacy = [], 0.0
     for name, alg, p, sizes, n, theory, target in sweeps:
         rows = []
@@ -118,7 +168,6 @@ def plot(report, path):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 5.4))
     for rep in report:
