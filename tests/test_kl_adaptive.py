@@ -223,3 +223,35 @@ def test_exponential_selection_also_ends_a_run_capped_by_train_steps(tmp_path, s
     sel = [e for e in ledger_events(run) if isinstance(e, Exponential)]
     assert len(sel) == 1 and sel[0].zcdp_rho() == pytest.approx(1 / 3, rel=1e-12)
     assert run.accountant.rho() <= 1.0 * (1 + 1e-12)
+
+
+def test_auto_constants_need_an_objective_that_declares_them(tmp_path):
+    """`auto` reads the objective's declared KLConstants. An objective that declares none (the
+    baseline quadratic) is refused at the key that says auto; with a number the same objective runs,
+    its per-example gradients from torch.func, within ρ."""
+    recipe = agd_recipe(train={"steps": 5, "log_every": 10**6})
+    recipe["objective"] = {"name": "quadratic", "dim": 3, "n": 300, "n_test": 10}
+    with pytest.raises(UserError, match="auto needs an objective that declares its lipschitz") as e:
+        make_run(recipe, tmp_path)
+    assert e.value.key == "privatizer.clip"
+    recipe["privatizer"] = {"name": "scheduled_gaussian", "clip": 1.0}
+    run = make_run(recipe, tmp_path)
+    summary = run.train()
+    assert summary["step"] == 5 and 0 < run.accountant.rho() <= 1.0
+
+
+def test_clamp_last_spends_what_the_zcdp_filter_has_left(tmp_path):
+    """clamp_last asks the zcdp accountant (a RhoBudgeted filter) for the ρ left: the last step's σ'
+    spends it to 1e-8 instead of stopping with budget left; without clamp_last the filter's refusal
+    ends the run with that budget unspent (this recipe's noise, reproducible, does both)."""
+    from dpreg_kl.algorithms import RhoBudgeted
+
+    run = make_run(agd_recipe(), tmp_path)
+    assert isinstance(run.accountant, RhoBudgeted)
+    rows, summary = traced(run)
+    assert rows[-1]["clamped"] and not any(m["clamped"] for m in rows[:-1]) and summary["stopped"] is None
+    assert run.accountant.rho() == pytest.approx(1.0, rel=1e-8) and run.accountant.rho() <= 1.0
+    plain = make_run(agd_recipe(algorithm={"name": "adaptive_noisy_gd", "clamp_last": False}), tmp_path)
+    rows, summary = traced(plain)
+    assert not any(m["clamped"] for m in rows) and "afford" in summary["stopped"]
+    assert plain.accountant.rho() < 1.0 - 1e-6

@@ -217,3 +217,35 @@ def test_spider_resume_mid_round_is_exact(tmp_path):
     resumed.train()
     assert torch.equal(resumed.params["w"], final_w)
     assert json.dumps(resumed.accountant.ledger.to_json(), sort_keys=True) == json.dumps(final_ledger, sort_keys=True)
+
+
+def test_the_difference_query_is_clipped_to_the_update_rules_step_bound(tmp_path):
+    """The typed exchange behind the difference query's sensitivity: normalized_step provides the
+    length of its last step as a StepBound (through the run), spider_fullbatch tags each difference
+    with it, and spider_gaussian clips to L1·bound and charges Δ = 2·L1·bound (replace-one) for it.
+    A move longer than the declared bound is refused, not released with a sensitivity it lacks."""
+    from dpregistry import Release
+    from dpregistry.privacy.events import clipped_sum_sensitivity
+    from dpregistry.spaces import DenseAggregate
+
+    run = make_run(spider_recipe(), tmp_path)
+    obj, upd, est, priv, params = run.objective, run.update_rule, run.estimator, run.privatizer, run.params
+    idx = run.sampler.indices(run.ctx)
+    L1 = obj.kl_constants().smoothness
+    assert priv.smoothness == L1 == 3.0
+    assert run.ctx.need(StepBound) == StepBound(None)  # no step yet
+    anchor = next(est.contributions(obj, idx, run.ctx))
+    assert anchor.kind == "gradient"
+    priv.release(priv.clip_sum(anchor), run.ctx, std=1.0)
+    r, w0 = 0.05, params["w"].clone()
+    upd.set_length(r)
+    upd.apply(params, Release(DenseAggregate({"w": torch.arange(1.0, 6.0, dtype=torch.float64)}), []), run.ctx)
+    assert run.ctx.need(StepBound) == StepBound(r) and float((params["w"] - w0).norm()) <= r
+    diff = next(est.contributions(obj, idx, run.ctx))
+    assert diff.kind == "increment" and diff.info["step_bound"] == r
+    release = priv.release(priv.clip_sum(diff), run.ctx, std=1.0)
+    assert release.events[0].sensitivity == clipped_sum_sensitivity(L1 * r, "replace_one") == 2 * L1 * r
+    with torch.no_grad():
+        params["w"][0] += 2 * r  # twice the declared bound
+    with pytest.raises(RuntimeError, match="more than the update rule's step bound"):
+        next(est.contributions(obj, idx, run.ctx))
