@@ -42,34 +42,34 @@ def per_step_plan(run, z) -> list:
                 for c in run.sampler.account(t, run.privatizer.stream_events(z, run, alg.position(t)[1]), run)]
     if isinstance(alg, KLSpider):  # each round: its anchor, then a difference per step until T_k moves
         s, out = alg.sched, []
-        if alg.finished or not s.K:
+        if alg.state.finished or not s.K:
             return out
-        k, t, fresh = alg.k, alg.t, alg.fresh
+        k, t, fresh = alg.state.k, alg.state.t, alg.state.fresh
         while k < s.K:
-            out.append(run.sampler.account(0, [alg.anchor_event(run) if fresh else alg.difference_event(run, k)],
-                                           run)[0])
+            out.append(run.sampler.account(0, [alg.anchor_event() if fresh else alg.difference_event(k)],
+                                           run.ctx)[0])
             fresh, t = False, t + 1
             if t >= int(s.T[k]):
                 k, t, fresh = k + 1, 0, True
         return out
     if isinstance(alg, KLProximalPoint):  # T calls of T_A − 1 noisy steps each
         s, out = alg.sched, []
-        if alg.finished:
+        if alg.state.finished:
             return out
-        j = run.update_rule.j if alg.started else 1
-        for _ in range(alg.t, s.T):
+        j = run.update_rule.j if alg.state.started else 1
+        for _ in range(alg.state.t, s.T):
             while j < s.T_A:
-                out.append(run.sampler.account(0, [alg.event(run)], run)[0])
+                out.append(run.sampler.account(0, [alg.event()], run.ctx)[0])
                 j += 1
             j = 1
         return out
-    per_step = run.privatizer.planned_events(z, run)
-    return [c for t in range(run.step, alg.total_steps(run)) for c in run.sampler.account(t, per_step, run)]
+    per_step = run.privatizer.planned_events(z, run.ctx)
+    return [c for t in range(run.step, alg.total_steps(run.ctx)) for c in run.sampler.account(t, per_step, run.ctx)]
 
 
 def steps_to_try(run) -> list[int]:
     """Run positions around the structure of the run: period/epoch starts and the steps beside."""
-    total = run.algorithm.total_steps(run)
+    total = run.algorithm.total_steps(run.ctx)
     P = getattr(getattr(run.algorithm, "settings", None), "period", None) or getattr(run.sampler, "per_epoch", 3)
     cands = {0, 1, P - 1, P, P + 1, 2 * P, total // 2, total - 1, total}
     return sorted(s for s in cands if 0 <= s <= total)
@@ -84,13 +84,13 @@ def test_closed_form_plans_equal_the_per_step_charges(name, tmp_path):
     z = getattr(run.privatizer, "noise_multiplier", None)
     for s in steps_to_try(run):
         run.step = s
-        if hasattr(run.algorithm, "sched"):  # the KL algorithms: a state part-way through the schedule
-            _kl_state_at(run, s)
-        assert as_counts(run.algorithm.plan(run, z)) == as_counts(per_step_plan(run, z)), (name, s)
+        _kl_state_at(run, s)  # the KL algorithms: a state part-way through the schedule
+        assert as_counts(run.algorithm.plan(run.ctx, z)) == as_counts(per_step_plan(run, z)), (name, s)
 
 
 def _kl_state_at(run, s: int) -> None:
-    """The KL algorithms' counters after s releases of the worst case (every step moves)."""
+    """The KL algorithms' counters after s releases of the worst case (every step moves); other
+    algorithms are left as they are."""
     from dpreg_kl.algorithms import KLProximalPoint, KLSpider
 
     alg = run.algorithm
@@ -102,13 +102,14 @@ def _kl_state_at(run, s: int) -> None:
                 k, t = k + 1, 0
             if k >= alg.sched.K:
                 break
-        alg.k, alg.t, alg.fresh, alg.finished = k, t, t == 0, k >= alg.sched.K
+        st = alg.state
+        st.k, st.t, st.fresh, st.finished = k, t, t == 0, k >= alg.sched.K
     elif isinstance(alg, KLProximalPoint) and alg.sched.T:
-        per = alg.sched.T_A - 1
-        alg.t, j = divmod(s, per)
-        alg.started = j > 0
-        run.update_rule.j = j + 1
-        alg.finished = alg.t >= alg.sched.T
+        per, st = alg.sched.T_A - 1, alg.state
+        st.t, j = divmod(s, per)
+        st.started = j > 0
+        run.update_rule.state.j = j + 1
+        st.finished = st.t >= alg.sched.T
 
 
 SAMPLERS = {"poisson": {"name": "poisson", "batch_size": 256},
@@ -127,7 +128,7 @@ def test_every_sampler_plans_in_closed_form_what_it_charges_step_by_step(sampler
     run = make_run(yaml.safe_dump(recipe), Path(__import__("tempfile").mkdtemp()))
     for s in range(0, 24):  # every position of the epochs (5 steps each) and the run's end
         run.step = s
-        assert as_counts(run.algorithm.plan(run, 2.0)) == as_counts(per_step_plan(run, 2.0)), (sampler, s)
+        assert as_counts(run.algorithm.plan(run.ctx, 2.0)) == as_counts(per_step_plan(run, 2.0)), (sampler, s)
 
 
 def test_multiples_in_a_range_match_a_count():
@@ -157,7 +158,7 @@ def test_a_run_of_a_billion_steps_is_planned_in_no_time(name):
     assert time.perf_counter() - t0 < 30
     z = run.privatizer.noise_multiplier
     t0 = time.perf_counter()
-    plan = run.algorithm.plan(run, z)
+    plan = run.algorithm.plan(run.ctx, z)
     assert time.perf_counter() - t0 < 1.0
     assert len(plan) <= 8
     charged = sum(c.count for c in plan)
@@ -166,7 +167,7 @@ def test_a_run_of_a_billion_steps_is_planned_in_no_time(name):
     elif name.startswith("quickstart"):  # one sampled release a step
         assert charged == 10**9
     else:  # every step charges (a release and its failure probability)
-        assert charged >= run.algorithm.total_steps(run) > 0
+        assert charged >= run.algorithm.total_steps(run.ctx) > 0
 
 
 def test_steps_beyond_the_limit_are_refused_by_the_schema(tmp_path):
