@@ -4,6 +4,11 @@ Objectives with known KL constants (the axis-design least squares and quartic, r
 and logistic regression on scikit-learn's bundled tables), full-batch estimators (per-record
 gradients; SPIDER's anchor and differences), per-call Gaussian privatizers, and the update rules
 of Alg. 1 (normalised steps) and Alg. 4 (projected GD with a weighted average).
+
+What the stages exchange is typed (``dpreg_kl.common``, ``dpreg_kl.updates``): an objective of
+another package takes part by subclassing ``DeclaresKLConstants`` (its ``KLConstants``, for the
+``auto`` settings) and ``GroupedRecords`` (closed-form per-record gradients); ``normalized_step``
+provides the ``StepBound`` that ``spider_fullbatch`` needs.
 """
 
 from dpregistry import StagePlugin

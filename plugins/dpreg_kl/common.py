@@ -57,8 +57,8 @@ class GroupedRecords:
 def declared(objective, key: str, what: str) -> float:
     """The constant ``key`` of a :class:`DeclaresKLConstants` objective, for the setting ``what``
     (a recipe key) that says ``auto``."""
-    value = dataclasses.asdict(objective.kl_constants()).get(key) if isinstance(objective, DeclaresKLConstants) \
-        else None
+    consts = objective.kl_constants() if isinstance(objective, DeclaresKLConstants) else None
+    value = dataclasses.asdict(consts).get(key) if consts is not None else None
     if value is None:
         raise UserError(f"auto needs an objective that declares its {key}; objective "
                         f"{objective.name!r} does not, so give a number", key=what)
