@@ -137,7 +137,7 @@ class Context:
     def detached(cls, params: dict[str, torch.Tensor], *, step: int = 0, seed: int = 0, n_train: int = 0,
                  relation: str = "replace_one", micro_batch_size: int | None = None, max_steps: int = 1,
                  device: str | torch.device = "cpu", provides: dict[type, Any] | None = None,
-                 noise: str = "reproducible") -> "Context":
+                 noise: str = "reproducible", expected_batch_size: float | None = None) -> "Context":
         """A context outside any run, to drive one stage in a unit test: ``provides`` maps the types
         stages ``need`` to values. Secret randomness is reproducible from ``seed`` by default."""
         from .distributed import LocalComm
@@ -155,7 +155,8 @@ class Context:
         dev = torch.device(device)
         return cls(step=step, params=params, _device=lambda: dev, relation=relation, n_train=n_train,
                    rng=Randomness(rng), comm=LocalComm(), micro_batch_size=micro_batch_size, max_steps=max_steps,
-                   ledger=Ledger(), _services=_StepServices(lambda call: rng.noise(step, call)), _provider=provide)
+                   ledger=Ledger(), _batch_size=lambda c: expected_batch_size,
+                   _services=_StepServices(lambda call: rng.noise(step, call)), _provider=provide)
 
     def at(self, step: int) -> "Context":
         """The same run at another step, outside it (for plans and for sampling at other steps)."""

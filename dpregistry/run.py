@@ -151,10 +151,8 @@ class Run:
         for kind, stage in self.stages.items():
             for t in type(stage).needs:
                 if t not in self._provider_map:
-                    given = ", ".join(sorted(f"{c.__name__} ({'run' if s is self else s.name})"
-                                             for c, s in self._provider_map.items()))
                     raise UserError(f"{kind} {stage.name!r} needs {t.__name__}, which no stage of this recipe "
-                                    f"provides (provided: {given})", key=SECTION_OF[kind])
+                                    f"provides{_providers_of(t)}", key=SECTION_OF[kind])
 
     # ------------------------------------------------------------------ preparing
 
@@ -393,6 +391,20 @@ def _is_out_of_memory(e: BaseException) -> bool:
     """An allocation that failed (torch's CPU allocator raises a plain RuntimeError)."""
     return isinstance(e, (MemoryError, _OUT_OF_MEMORY)) or (
         isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "not enough memory" in str(e)))
+
+
+def _providers_of(kind: type) -> str:
+    """"; stages that provide it: ..." from the registry (on a refusal only: it imports every stage)."""
+    from .registry import get_registry
+
+    found = []
+    for e in get_registry().all():
+        try:
+            if kind in e.cls.provides:
+                found.append(f"{e.kind.replace('_', ' ')} {e.name}")
+        except Exception:  # a broken lazy stage: it provides nothing here
+            continue
+    return f"; stages that provide it: {', '.join(found)}" if found else ""
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
