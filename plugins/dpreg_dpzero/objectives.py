@@ -36,9 +36,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dpregistry import StageParams, UserError
-from dpregistry.data import k_shot, load_table
+from dpregistry.data import TextData
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, seeded
-from dpreg_baseline.objectives import TextData
 
 CONFIGS = Path(__file__).with_name("configs")
 #: names (and hub ids) whose architecture ships with the plugin, as small JSON configs
@@ -292,18 +291,7 @@ class PromptLM(TorchObjective):
         self.lm, config, folder = self._load_model(run)
         self.model = self.lm
         self.tok = self._tokenizer(config, folder)
-        d = self.cfg.data
-        cols = [d.text] if isinstance(d.text, str) else list(d.text)
-        if d.path is not None and not Path(d.path).expanduser().is_dir():
-            raise UserError(f"data folder {d.path!r} not found; set data.path (e.g. --set data.path=DIR with "
-                            "train.tsv and test.tsv)", key="data.path")
-        train = load_table(self._file(d.train), text_columns=cols, label_column=d.label, labels=d.labels, fmt=d.format)
-        test = load_table(self._file(d.test), text_columns=cols, label_column=d.label,
-                          labels=train.label_names, fmt=d.format)
-        if d.k_per_class:
-            train = k_shot(train, d.k_per_class, d.seed)
-        if d.max_test:
-            test = type(test)(test.texts[:d.max_test], test.labels[:d.max_test], test.label_names, test.source)
+        train, test = self.cfg.data.load()
         words = self.cfg.prompt.label_words
         if len(words) != len(train.label_names):
             raise UserError(f"prompt.label_words needs one word per label ({len(train.label_names)}: "
@@ -313,16 +301,11 @@ class PromptLM(TorchObjective):
             raise UserError("two label words map to the same token", key="objective.prompt.label_words")
         self.n_train = len(train.labels)
         self.label_names = train.label_names
-        self.cols = cols
+        self.cols = self.cfg.data.columns
         self.train_tok = [self._encode(t) for t in train.texts]
         self.test_tok = [self._encode(t) for t in test.texts]
         self.y_train = torch.tensor(train.labels, device=run.device, dtype=torch.long)
         self.y_test = torch.tensor(test.labels, device=run.device, dtype=torch.long)
-
-    def _file(self, name):
-        p = Path(name).expanduser()
-        d = self.cfg.data
-        return Path(d.path).expanduser() / p if d.path is not None and not p.is_absolute() else p
 
     # -- prompts ----------------------------------------------------------------------------
 
