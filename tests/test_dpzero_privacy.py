@@ -129,13 +129,13 @@ def _quadratic(tmp_path, algorithm, *, n, dim=4, steps, clip, epsilon, delta, sa
 
 
 @pytest.mark.parametrize("algorithm", ["dpzero_full_batch", "dpgd_0th"])
-def test_engine_noise_is_lemma_2_2(tmp_path, algorithm):
+def test_run_noise_is_lemma_2_2(tmp_path, algorithm):
     """A full-batch run calibrated by kov_advanced_composition adds exactly σ of §8 A to the mean,
     for Alg. 2 and Alg. 1 alike (the accountant does not depend on the estimator)."""
     run = _quadratic(tmp_path, algorithm, n=10_000, steps=1_000, clip=1.0, epsilon=2.0, delta=1e-6)
-    std_on_mean = run.privatizer.noise_multiplier * 1.0 / run.sampler.expected_batch_size(run)
+    std_on_mean = run.privatizer.noise_multiplier * 1.0 / run.sampler.expected_batch_size(run.ctx)
     assert std_on_mean == pytest.approx(0.0340689408, rel=1e-9)
-    plan = run.algorithm.plan(run, run.privatizer.noise_multiplier)
+    plan = run.algorithm.plan(run.ctx, run.privatizer.noise_multiplier)
     assert run.accountant.epsilon(extra=plan) == pytest.approx(2.0, rel=1e-9)
     assert run.accountant.epsilon(extra=plan) <= 2.0 * (1 + 1e-12)
 
@@ -155,10 +155,10 @@ def test_rdp_multipliers_match_the_dpzero_code(tmp_path, n, eps, m):
     run = _quadratic(tmp_path, "dpzero", n=n, steps=10_000, clip=200.0, epsilon=eps, delta=1e-5)
     z = run.privatizer.noise_multiplier          # std on the clipped sum ÷ C (sensitivity 2C)
     assert z / 2 == pytest.approx(m, rel=5e-3)   # Opacus's add/remove multiplier m, ±0.5 %
-    plan = run.algorithm.plan(run, z)
+    plan = run.algorithm.plan(run.ctx, z)
     achieved = run.accountant.epsilon(extra=plan)
     assert eps - 0.01 <= achieved <= eps
-    std_on_mean = z * 200.0 / run.sampler.expected_batch_size(run)
+    std_on_mean = z * 200.0 / run.sampler.expected_batch_size(run.ctx)
     assert std_on_mean == pytest.approx(2 * m * 200.0 / 64, rel=5e-3)
     if (n, eps) == (1024, 6):
         assert std_on_mean == pytest.approx(32.2, abs=0.05)   # the spec's SST-2 example
