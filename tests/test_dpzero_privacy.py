@@ -12,7 +12,9 @@ from dpreg_dpzero.accountant import (KovAdvancedComposition, kov_delta, kov_epsi
                                      kov_sigma)
 from dpreg_dpzero.theory import params_theorem1, params_theorem2, params_theorem3
 from dpregistry import Budget, Charge
-from dpregistry.privacy.events import Gaussian, NonPrivate, PoissonSampled
+from dpregistry.errors import UserError
+from dpregistry.privacy.events import (Composed, Gaussian, NonPrivate, PoissonSampled, SampledWithoutReplacement,
+                                       SelfComposed)
 
 # ------------------------------------------------------------------------------------------
 # §8 A: Lemma 2.2
@@ -111,6 +113,13 @@ def test_kov_accountant_composes_conservatively():
     assert acc.epsilon(extra=[Charge(g, count=50), Charge(weak, count=50)]) == pytest.approx(
         kov_epsilon(m / 2, 100, 1e-6), rel=1e-12)
     assert acc.epsilon(extra=[Charge(NonPrivate())]) == math.inf
+    # T counts every Gaussian in a composition: 10 × (g + 9 sampled g) is the 100 steps above
+    nested = Composed((g, SelfComposed(PoissonSampled(0.01, g), 9)))
+    assert acc.epsilon(extra=[Charge(nested, count=10)]) == pytest.approx(2.0, rel=1e-9)
+    assert acc.fits([Charge(nested, count=10)]) and not acc.fits([Charge(nested, count=10), Charge(g)])
+    # a mechanism Lemma 2.2 says nothing about is refused, wherever it sits in the tree
+    with pytest.raises(UserError, match="cannot account 'sampled_without_replacement'"):
+        acc.epsilon(extra=[Charge(Composed((g, SampledWithoutReplacement(1000, 10, g))))])
 
 
 def _quadratic(tmp_path, algorithm, *, n, dim=4, steps, clip, epsilon, delta, sampler=None, direction=None,
