@@ -73,6 +73,26 @@ def test_prompt_losses_are_per_example_label_word_cross_entropy(tiny, tmp_path, 
         assert ids[pos] == obj.tok.mask_id and ids.count(obj.tok.mask_id) == 1
 
 
+def test_held_out_evaluation_shows_its_batches(tiny, tmp_path):
+    """The evaluation loop reports through dpregistry.progress (the CLI draws it as a bar): one item
+    per batch of the test set, and the same metrics whether anyone watches or not."""
+    from dpregistry.progress import showing
+
+    obj = make_run(lm_recipe(tiny), tmp_path).objective
+    quiet = obj.evaluate(batch_size=3)
+    seen = []
+
+    def tracker(items, total, description):
+        for item in items:
+            seen.append(item)
+            yield item
+        seen.append((total, description))
+
+    with showing(tracker):
+        assert obj.evaluate(batch_size=3) == quiet
+    assert seen == [0, 3, 6, (3, "held-out evaluation")]   # 8 test sentences in batches of 3
+
+
 def test_lora_trains_only_the_adapters(tiny, tmp_path):
     run = make_run(lm_recipe(tiny, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}), tmp_path)
     names = list(run.params)

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dpregistry import StageParams, UserError
 from dpregistry.data import TextData
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, seeded
+from dpregistry.progress import track
 
 CONFIGS = Path(__file__).with_name("configs")
 #: names (and hub ids) whose architecture ships with the plugin, as small JSON configs
@@ -350,7 +351,8 @@ class PromptLM(TorchObjective):
     def evaluate(self, batch_size: int = 32):
         order = sorted(range(len(self.test_tok)), key=lambda i: len(self.test_tok[i][0]))
         correct, loss = 0, 0.0
-        for s in range(0, len(order), batch_size):
+        starts = range(0, len(order), batch_size)
+        for s in track(starts, len(starts), "held-out evaluation"):
             idx = order[s:s + batch_size]
             logits = self.label_logits([self.test_tok[i] for i in idx])
             y = self.y_test[idx]
