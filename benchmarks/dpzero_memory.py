@@ -97,7 +97,7 @@ def lean_dp_adam_step(run, idx, clip=10.0, noise_multiplier=1.0, lr=1e-5, betas=
             if g is not None:
                 a.add_(g, alpha=w)
         del grads
-    src = run.noise()
+    src = run.ctx.noise()
     state["t"] += 1
     b1, b2 = betas
     with torch.no_grad():
@@ -124,7 +124,7 @@ def child(args) -> dict:
         path.write_text(yaml.safe_dump(_recipe(args, algorithm)))
         run = Run(load(path)).prepare()
     obj = run.objective
-    idx = run.sampler.indices(0, run)
+    idx = run.sampler.indices(run.ctx.at(0))
     n_params = sum(p.numel() for p in run.params.values())
 
     def forward():
@@ -132,11 +132,11 @@ def child(args) -> dict:
             obj.losses(idx)
 
     def step():
-        run._noise_calls = 0
+        ctx = run.begin_step()
         try:
             run.algorithm.step(run)
         finally:
-            run.undo_displacement()
+            ctx.undo_displacement()
         run.step += 1
 
     op = {"forward": forward, "dpzero": step, "dp_adam": lambda: lean_dp_adam_step(run, idx)}[args.measure]

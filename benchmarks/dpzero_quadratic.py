@@ -8,7 +8,7 @@ over the grid (median over seeds), prints a table next to the spec's re-simulati
 writes a PNG in the layout of the paper's Fig. 1 (one panel per mode; d on a log axis).
 
 All grid points of a (mode, d) run at once with the same public directions (dpreg_dpzero.synthetic,
-checked against the engine in tests/test_dpzero_algorithm.py).
+checked against real runs in tests/test_dpzero_algorithm.py).
 
 Usage: python benchmarks/dpzero_quadratic.py [--dims 20 50 100 200 500 1000 2000] [--modes a b c]
        [--seeds 0] [--grid paper|reduced] [--dpgd-max-d 200] [--out dpzero_fig1.png]

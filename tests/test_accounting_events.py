@@ -13,7 +13,7 @@ from dpregistry.clipping import clip_and_sum
 from dpregistry.privacy.accountant import Budget, Ledger, make_accountant
 from dpregistry.privacy.events import (ZCDP, Composed, Exponential, Gaussian, NonPrivate,
                                        PoissonSampled, PrivacyEvent, SampledWithoutReplacement,
-                                       SelfComposed, TreeAggregation, clipped_sum_sensitivity,
+                                       SelfComposed, TreeAggregation, clipped_sum_sensitivity, leaves,
                                        tree_nodes_per_record)
 from dpregistry.spaces import DenseContribution, DirectionContribution
 from dpregistry.directions import Direction
@@ -54,6 +54,19 @@ def test_ledger_round_trips_and_run_length_encodes():
     assert back.n_charges == 8 and back.last_step == 9
     assert [e["count"] for e in back.until(2).entries] == [3]
     assert back.until(5).n_charges == 6 and back.until(100).to_json() == led.to_json()
+
+
+def test_leaves_expand_compositions_and_unwrap_what_is_asked():
+    """The one event-tree walker (accountants share it): (leaf, times charged) in order, counts
+    multiplied through self-compositions, wrappers kept unless listed in ``unwrap``."""
+    g, h, z = Gaussian(1.0, 2.0), Gaussian(3.0, 2.0), ZCDP(0.1)
+    sampled = PoissonSampled(0.1, h)
+    tree = Composed((SelfComposed(Composed((g, sampled)), 3), z, SelfComposed(SelfComposed(g, 2), 5)))
+    assert list(leaves(tree, 2)) == [(g, 6), (sampled, 6), (z, 2), (g, 20)]
+    assert list(leaves(tree, 2, unwrap=(PoissonSampled,))) == [(g, 6), (h, 6), (z, 2), (g, 20)]
+    # the total count of each leaf is what composing the tree count times charges (by hand: 3·2 + 5·2·2)
+    assert sum(n for ev, n in leaves(tree, 2) if ev == g) == 26
+    assert list(leaves(g)) == [(g, 1)] and list(leaves(Composed(()), 4)) == []
 
 
 @pytest.mark.parametrize("bad", [

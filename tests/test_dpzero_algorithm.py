@@ -1,6 +1,6 @@
 """DPZero and DPGD-0th steps: estimator exactness (spec §8 D), privatizer (§8 E), update
 geometry (§8 F), reductions to MeZO (§8 G), secret noise (§8 J), and the synthetic experiment
-(§8 Q) on a reduced grid, with the simulator checked step by step against the engine."""
+(§8 Q) on a reduced grid, with the simulator checked step by step against real runs."""
 
 from __future__ import annotations
 
@@ -92,14 +92,14 @@ def test_central_difference_is_exact_on_quadratics(tmp_path, lam):
     x0 = start_away_from_zero(run)
     obj = run.objective
     idx = torch.arange(20)
-    (c,) = run.estimator.contributions(obj, idx, run)
+    (c,) = run.estimator.contributions(obj, idx, run.ctx)
     u = c.direction.dense([x0])[0]
     expected = (u * obj.a * (x0 - obj.data[idx])).sum(-1)       # Δ_i = uᵀA(x − x_i)
     # exact up to floating point: the error is rounding of f(x ± λu) (∝ |f|/λ), not O(λ)
     assert torch.allclose(c.values, expected, rtol=1e-9, atol=1e-10 / min(lam, 1.0))
     # the mean of per-example scalars is the batch-loss central difference
     x = run.params["x"]
-    run.undo_displacement()
+    run.ctx.undo_displacement()
     f = lambda v: float(obj.functional_losses({"x": v}, idx).mean())  # noqa: E731
     batch = (f(x + lam * u) - f(x - lam * u)) / (2 * lam)
     assert float(c.values.mean()) == pytest.approx(batch, rel=1e-9, abs=1e-10 / min(lam, 1.0))
@@ -112,7 +112,7 @@ def test_estimator_for_dpgd_0th_shares_dpzero_scalars(tmp_path):
     run = make_run(quad_recipe("dpgd_0th", dim=8), tmp_path)
     x0 = start_away_from_zero(run)
     idx = torch.arange(10)
-    (c,) = run.estimator.contributions(run.objective, idx, run)
+    (c,) = run.estimator.contributions(run.objective, idx, run.ctx)
     assert isinstance(c, VectorZOContribution) and c.values.shape == (10, 1)
     u = c.directions[0].dense([x0])[0]
     expected = (u * run.objective.a * (x0 - run.objective.data[idx])).sum(-1)
@@ -137,7 +137,7 @@ def test_scalar_clip_values_and_nonfinite_examples():
     assert total.aggregate.coeff == pytest.approx(0.0 + 2.0 - 2.0 + 0.3 - 1.5, abs=1e-15)
     assert total.clipped == 2 and total.nonfinite == 0
     assert clip_and_sum(_scalar_contrib([0.0]), C).aggregate.coeff == 0.0          # 0 ↦ 0, no NaN
-    # NaN/±inf examples are dropped (weight 0) and counted; the engine stops a run after
+    # NaN/±inf examples are dropped (weight 0) and counted; the loop stops a run after
     # train.max_nonfinite_steps such steps. Dropping is at least as private as clipping to ±C.
     bad = clip_and_sum(_scalar_contrib([1.0, math.inf, -math.inf, math.nan]), C)
     assert bad.aggregate.coeff == 1.0 and bad.nonfinite == 3
@@ -165,7 +165,7 @@ def test_noise_is_one_scalar_with_the_calibrated_variance(tmp_path):
     draws = []
     for _ in range(20_000):
         total = clip_and_sum(_scalar_contrib([0.0]), 0.5)
-        rel = run.privatizer.release(total, run)
+        rel = run.privatizer.release(total, run.ctx)
         assert rel.value.tensors["coeff"].shape == (1,)          # a scalar, never d-dimensional
         draws.append(rel.value.coeff)
     var = statistics.pvariance(draws)
@@ -227,7 +227,7 @@ def test_dpzero_without_clip_and_noise_is_exactly_mezo(tmp_path):
     obj = dpz.objective
     x = torch.zeros_like(dpz.params["x"])
     for t in range(6):
-        idx = dpz.sampler.indices(t, dpz)
+        idx = dpz.sampler.indices(dpz.ctx.at(t))
         u = Direction(dpz.rng.step_seed("direction", t), "gaussian").dense([x])[0]
         F = lambda v: obj.functional_losses({"x": v}, idx).mean()  # noqa: E731
         x = x - 0.02 * (F(x + 1e-3 * u) - F(x - 1e-3 * u)) / 2e-3 * u
@@ -251,7 +251,7 @@ def test_dpzero_with_noise_is_zo_sgd_plus_scalar_noise_on_u(tmp_path):
     x = torch.zeros_like(run.params["x"])
     rng = RunRNG(0, "reproducible")
     for t in range(steps):
-        idx = run.sampler.indices(t, run)
+        idx = run.sampler.indices(run.ctx.at(t))
         u = Direction(rng.step_seed("direction", t), "gaussian").dense([x])[0]
         F = lambda v: obj.functional_losses({"x": v}, idx).mean()  # noqa: E731
         noise = float(rng.noise(t, 0).randn((1,), dtype=torch.float64)) * z * C / 8
@@ -268,9 +268,9 @@ def test_public_seeds_do_not_reproduce_the_noise(tmp_path):
     C, z, n = 1.0, 4.0, 64
     run = make_run(quad_recipe("dpzero_full_batch", clip=C, z=z, n=n, steps=1, lr=0.1), tmp_path)
     x0 = start_away_from_zero(run).clone()
-    idx = run.sampler.indices(0, run)
-    (c,) = run.estimator.contributions(run.objective, idx, run)
-    run.undo_displacement()
+    idx = run.sampler.indices(run.ctx.at(0))
+    (c,) = run.estimator.contributions(run.objective, idx, run.ctx)
+    run.ctx.undo_displacement()
     clipped_mean = float(c.values.clamp(-C, C).sum()) / n
     run.train()
     u = c.direction.dense([x0])[0]
@@ -313,15 +313,15 @@ def test_same_public_seeds_fresh_secret_noise(tmp_path):
 
 
 @pytest.mark.parametrize("algorithm,method", [("dpzero_full_batch", "dpzero"), ("dpgd_0th", "dpgd_0th")])
-def test_simulator_matches_the_engine(tmp_path, algorithm, method):
-    """The vectorised simulator runs the same algorithm as the engine: same data, same public
+def test_simulator_matches_a_real_run(tmp_path, algorithm, method):
+    """The vectorised simulator runs the same algorithm as a real run: same data, same public
     directions, the run's noise draws, clipping and Lemma 2.2 σ — the trajectories agree."""
     d, n, T, lr, C = 12, 500, 25, 0.5, 0.05
     r = quad_recipe(algorithm, dim=d, n=n, steps=T, clip=C, lr=lr, seed=3, hessian="identity")
     r["privatizer"]["noise_multiplier"] = "auto"
     r["privacy"] = {"epsilon": 2.0, "delta": 1e-6, "noise": "reproducible"}
     r["objective"]["n_test"] = 100
-    run = train(r, tmp_path, "engine")
+    run = train(r, tmp_path, "run")
     problem = syn.make_problem("identity", d, n=n, n_test=100, seed=0)
     assert torch.equal(problem.data, run.objective.data)
     rng = RunRNG(3, "reproducible")

@@ -73,6 +73,26 @@ def test_prompt_losses_are_per_example_label_word_cross_entropy(tiny, tmp_path, 
         assert ids[pos] == obj.tok.mask_id and ids.count(obj.tok.mask_id) == 1
 
 
+def test_held_out_evaluation_shows_its_batches(tiny, tmp_path):
+    """The evaluation loop reports through dpregistry.progress (the CLI draws it as a bar): one item
+    per batch of the test set, and the same metrics whether anyone watches or not."""
+    from dpregistry.progress import showing
+
+    obj = make_run(lm_recipe(tiny), tmp_path).objective
+    quiet = obj.evaluate(batch_size=3)
+    seen = []
+
+    def tracker(items, total, description):
+        for item in items:
+            seen.append(item)
+            yield item
+        seen.append((total, description))
+
+    with showing(tracker):
+        assert obj.evaluate(batch_size=3) == quiet
+    assert seen == [0, 3, 6, (3, "held-out evaluation")]   # 8 test sentences in batches of 3
+
+
 def test_lora_trains_only_the_adapters(tiny, tmp_path):
     run = make_run(lm_recipe(tiny, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}), tmp_path)
     names = list(run.params)
@@ -129,6 +149,59 @@ def test_minilm_recipe_starts_zero_shot_and_runs(sst2_dir, tmp_path):
     run.train()
     assert run.step == 2 and any(not torch.equal(before[n], p) for n, p in run.params.items())
     assert run.epsilon() <= 6.0
+
+
+# ------------------------------------------------------------------------------------------
+# the text data set: one public schema (dpregistry.data.TextData)
+# ------------------------------------------------------------------------------------------
+
+
+def test_text_objectives_share_dpregistry_text_data(tmp_path):
+    """DPZero's prompt objectives and the baseline's classifier declare ``objective.data`` with
+    dpregistry's TextData (no plugin imports another's), and it loads what the files say: a
+    k-shot draw of k examples per class with their own labels, the first max_test test rows, the
+    test labels indexed as the training ones, relative names inside the folder."""
+    from collections import Counter
+
+    from dpreg_baseline.objectives import HFTextClassification
+    from dpreg_dpzero.objectives import CausalLMPrompt, MaskedLMPrompt
+    from dpregistry.data import TextData
+    from dpregistry.errors import UserError
+
+    for objective in (CausalLMPrompt, MaskedLMPrompt, HFTextClassification):
+        assert objective.Params.model_fields["data"].annotation is TextData
+    folder = tmp_path / "text"
+    folder.mkdir()
+    train_rows = [(f"sentence {i}", "pos" if i % 3 else "neg") for i in range(30)]
+    (folder / "train.csv").write_text("label,review\n" + "".join(f"{y},{t}\n" for t, y in train_rows))
+    (folder / "test.csv").write_text("label,review\nneg,a\npos,b\npos,c\n")
+    d = TextData(path=str(folder), train="train.csv", test="test.csv", text="review", k_per_class=4, seed=7,
+                 max_test=2)
+    train, test = d.load()
+    assert train.label_names == ["neg", "pos"] and Counter(train.labels) == {0: 4, 1: 4}
+    truth = dict(train_rows)
+    assert all(truth[t] == train.label_names[y] for (t,), y in zip(train.texts, train.labels))
+    assert len(set(train.texts)) == 8
+    assert (test.texts, test.labels) == ([("a",), ("b",)], [0, 1])
+    assert d.load()[0] == train and TextData(**{**d.model_dump(), "seed": 8}).load()[0].texts != train.texts
+    with pytest.raises(UserError, match="data folder .* not found.*train.csv and test.csv") as e:
+        TextData(path=str(tmp_path / "missing"), train="train.csv", test="test.csv").load()
+    assert e.value.key == "data.path"
+
+
+def test_the_dpzero_plugin_imports_only_dpregistry():
+    """Issue 15: a plugin uses dpregistry's public API, never another plugin's modules."""
+    import ast
+    from pathlib import Path
+
+    import dpreg_dpzero
+
+    for path in Path(dpreg_dpzero.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            others = [n for n in names if n.startswith("dpreg_") and n.split(".")[0] != "dpreg_dpzero"]
+            assert not others, f"{path.name} imports {others}"
 
 
 # ------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ from dpreg_dpzero.accountant import (KovAdvancedComposition, kov_delta, kov_epsi
                                      kov_sigma)
 from dpreg_dpzero.theory import params_theorem1, params_theorem2, params_theorem3
 from dpregistry import Budget, Charge
-from dpregistry.privacy.events import Gaussian, NonPrivate, PoissonSampled
+from dpregistry.errors import UserError
+from dpregistry.privacy.events import (Composed, Gaussian, NonPrivate, PoissonSampled, SampledWithoutReplacement,
+                                       SelfComposed)
 
 # ------------------------------------------------------------------------------------------
 # §8 A: Lemma 2.2
@@ -111,6 +113,13 @@ def test_kov_accountant_composes_conservatively():
     assert acc.epsilon(extra=[Charge(g, count=50), Charge(weak, count=50)]) == pytest.approx(
         kov_epsilon(m / 2, 100, 1e-6), rel=1e-12)
     assert acc.epsilon(extra=[Charge(NonPrivate())]) == math.inf
+    # T counts every Gaussian in a composition: 10 × (g + 9 sampled g) is the 100 steps above
+    nested = Composed((g, SelfComposed(PoissonSampled(0.01, g), 9)))
+    assert acc.epsilon(extra=[Charge(nested, count=10)]) == pytest.approx(2.0, rel=1e-9)
+    assert acc.fits([Charge(nested, count=10)]) and not acc.fits([Charge(nested, count=10), Charge(g)])
+    # a mechanism Lemma 2.2 says nothing about is refused, wherever it sits in the tree
+    with pytest.raises(UserError, match="cannot account 'sampled_without_replacement'"):
+        acc.epsilon(extra=[Charge(Composed((g, SampledWithoutReplacement(1000, 10, g))))])
 
 
 def _quadratic(tmp_path, algorithm, *, n, dim=4, steps, clip, epsilon, delta, sampler=None, direction=None,
@@ -129,13 +138,13 @@ def _quadratic(tmp_path, algorithm, *, n, dim=4, steps, clip, epsilon, delta, sa
 
 
 @pytest.mark.parametrize("algorithm", ["dpzero_full_batch", "dpgd_0th"])
-def test_engine_noise_is_lemma_2_2(tmp_path, algorithm):
+def test_run_noise_is_lemma_2_2(tmp_path, algorithm):
     """A full-batch run calibrated by kov_advanced_composition adds exactly σ of §8 A to the mean,
     for Alg. 2 and Alg. 1 alike (the accountant does not depend on the estimator)."""
     run = _quadratic(tmp_path, algorithm, n=10_000, steps=1_000, clip=1.0, epsilon=2.0, delta=1e-6)
-    std_on_mean = run.privatizer.noise_multiplier * 1.0 / run.sampler.expected_batch_size(run)
+    std_on_mean = run.privatizer.noise_multiplier * 1.0 / run.sampler.expected_batch_size(run.ctx)
     assert std_on_mean == pytest.approx(0.0340689408, rel=1e-9)
-    plan = run.algorithm.plan(run, run.privatizer.noise_multiplier)
+    plan = run.algorithm.plan(run.ctx, run.privatizer.noise_multiplier)
     assert run.accountant.epsilon(extra=plan) == pytest.approx(2.0, rel=1e-9)
     assert run.accountant.epsilon(extra=plan) <= 2.0 * (1 + 1e-12)
 
@@ -155,10 +164,10 @@ def test_rdp_multipliers_match_the_dpzero_code(tmp_path, n, eps, m):
     run = _quadratic(tmp_path, "dpzero", n=n, steps=10_000, clip=200.0, epsilon=eps, delta=1e-5)
     z = run.privatizer.noise_multiplier          # std on the clipped sum ÷ C (sensitivity 2C)
     assert z / 2 == pytest.approx(m, rel=5e-3)   # Opacus's add/remove multiplier m, ±0.5 %
-    plan = run.algorithm.plan(run, z)
+    plan = run.algorithm.plan(run.ctx, z)
     achieved = run.accountant.epsilon(extra=plan)
     assert eps - 0.01 <= achieved <= eps
-    std_on_mean = z * 200.0 / run.sampler.expected_batch_size(run)
+    std_on_mean = z * 200.0 / run.sampler.expected_batch_size(run.ctx)
     assert std_on_mean == pytest.approx(2 * m * 200.0 / 64, rel=5e-3)
     if (n, eps) == (1024, 6):
         assert std_on_mean == pytest.approx(32.2, abs=0.05)   # the spec's SST-2 example

@@ -1,6 +1,6 @@
-"""Data loading helpers for objectives: text tables and scikit-learn's bundled data sets."""
+"""Data loading helpers for objectives: text tables (and their recipe schema) and scikit-learn's bundled data sets."""
 
 from .tabular import load_tabular
-from .text import TextTable, k_shot, load_table
+from .text import TextData, TextTable, k_shot, load_table
 
-__all__ = ["TextTable", "k_shot", "load_table", "load_tabular"]
+__all__ = ["TextData", "TextTable", "k_shot", "load_table", "load_tabular"]

@@ -1,4 +1,5 @@
-"""Text tables (TSV, CSV, JSONL) with named text and label columns.
+"""Text tables (TSV, CSV, JSONL) with named text and label columns, and :class:`TextData`, the
+recipe schema of a text data set that text objectives share (``objective.data``).
 
 Errors name the file and the line: a malformed row, a missing column, a label outside the
 declared set.
@@ -12,6 +13,9 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import UserError
 from ..files import open_regular, require_regular
@@ -108,3 +112,53 @@ def k_shot(table: TextTable, k: int, seed: int) -> TextTable:
         keep.extend(idx[:k])
     rng.shuffle(keep)
     return TextTable([table.texts[i] for i in keep], [table.labels[i] for i in keep], table.label_names, table.source)
+
+
+class TextData(BaseModel):
+    """A text classification data set as a recipe gives it: train and test tables (in a folder or
+    by path), their text and label columns, and the few-shot and test-size choices.
+
+    An objective's ``Params`` declares ``data: TextData = Field(default_factory=TextData)`` and
+    calls :meth:`load` where it wants data errors reported (keys are relative to the objective's
+    section: ``data.path``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: str | None = Field(default=None, description="folder with train/test files")
+    train: str = "train.tsv"
+    test: str = "test.tsv"
+    format: Literal["tsv", "csv", "jsonl"] | None = None
+    text: str | list[str] = "sentence"
+    label: str = "label"
+    labels: list[str] | None = None
+    k_per_class: int | None = Field(default=None, gt=0)
+    seed: int = 42
+    max_test: int | None = Field(default=None, gt=0)
+
+    @property
+    def columns(self) -> list[str]:
+        """The text columns, in the order their fields reach a template or a tokenizer."""
+        return [self.text] if isinstance(self.text, str) else list(self.text)
+
+    def file(self, name: str) -> Path:
+        """A table's path: relative names are inside ``path`` when it is set."""
+        p = Path(name).expanduser()
+        return Path(self.path).expanduser() / p if self.path is not None and not p.is_absolute() else p
+
+    def load(self) -> tuple[TextTable, TextTable]:
+        """(train, test): the test labels are indexed as the training labels; ``k_per_class`` draws
+        the few-shot training set, ``max_test`` keeps the first test examples."""
+        if self.path is not None and not Path(self.path).expanduser().is_dir():
+            raise UserError(f"data folder {self.path!r} not found; set data.path (e.g. --set data.path=DIR with "
+                            f"{self.train} and {self.test})", key="data.path")
+        cols = self.columns
+        train = load_table(self.file(self.train), text_columns=cols, label_column=self.label, labels=self.labels,
+                           fmt=self.format)
+        test = load_table(self.file(self.test), text_columns=cols, label_column=self.label,
+                          labels=train.label_names, fmt=self.format)
+        if self.k_per_class:
+            train = k_shot(train, self.k_per_class, self.seed)
+        if self.max_test:
+            test = TextTable(test.texts[:self.max_test], test.labels[:self.max_test], test.label_names, test.source)
+        if not train.labels:
+            raise UserError("the training data set is empty", file=train.source)
+        return train, test

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 RELATIONS = ("replace_one", "add_remove")
 
@@ -164,6 +164,24 @@ class ZCDP(PrivacyEvent):
 
     def describe(self) -> str:
         return f"zcdp(ρ={self.rho:.4g})"
+
+
+def leaves(event: PrivacyEvent, count: int = 1, *,
+           unwrap: tuple[type[PrivacyEvent], ...] = ()) -> Iterator[tuple[PrivacyEvent, int]]:
+    """The (base event, times charged) pairs of ``count`` charges of ``event``, in order:
+    compositions are expanded (a self-composition multiplies the count), and events of a type in
+    ``unwrap`` are replaced by the event they wrap (an accountant that charges Poisson sampling
+    without amplification passes ``unwrap=(PoissonSampled,)``). Every other event is a leaf; an
+    accountant checks the leaves it can compose."""
+    if isinstance(event, Composed):
+        for e in event.events:
+            yield from leaves(e, count, unwrap=unwrap)
+    elif isinstance(event, SelfComposed):
+        yield from leaves(event.event, count * event.count, unwrap=unwrap)
+    elif unwrap and isinstance(event, unwrap):
+        yield from leaves(event.event, count, unwrap=unwrap)
+    else:
+        yield event, count
 
 
 def tree_nodes_per_record(period: int) -> int:

@@ -44,7 +44,7 @@ from dpregistry.privacy.accountant import (Accountant, _log_ratio, largest_extra
 from dpregistry.privacy.conversions import epsilon_to_zcdp, gaussian_zcdp, zcdp_to_delta, zcdp_to_epsilon
 from dpregistry.privacy.events import (Composed, Exponential, Gaussian, NonPrivate, PoissonSampled,
                                        PrivacyEvent, SampledWithoutReplacement, SelfComposed,
-                                       TreeAggregation, ZCDP)
+                                       TreeAggregation, ZCDP, leaves)
 from dpregistry.stages import StageParams
 
 # dp-accounting warns (through absl) about fractional orders it drops; the result stays valid.
@@ -77,24 +77,13 @@ def _gaussian_multiplier(ev: PrivacyEvent) -> float:
     return ev.noise_multiplier
 
 
-def _flatten(ev: PrivacyEvent, n: int):
-    """Expand composed/self-composed events into (base event, count) pairs."""
-    if isinstance(ev, Composed):
-        for e in ev.events:
-            yield from _flatten(e, n)
-    elif isinstance(ev, SelfComposed):
-        yield from _flatten(ev.event, n * ev.count)
-    else:
-        yield ev, n
-
-
 def _partition_sum(groups, value) -> dict:
     """{partition: [(count, value(event))]} over base events (for the filters' exact totals)."""
     out: dict = {}
     for p, c in groups.items():
         pairs = out.setdefault(p, [])
         for event, n in c.items():
-            for ev, m in _flatten(event, n):
+            for ev, m in leaves(event, n):
                 pairs.append((m, value(ev)))
     return out
 
@@ -482,7 +471,7 @@ def _pld_epsilon(items: frozenset, relation: str, discretization: float, delta: 
 def _base_items(counter: Counter) -> frozenset:
     flat: Counter = Counter()
     for event, n in counter.items():
-        for ev, m in _flatten(event, n):
+        for ev, m in leaves(event, n):
             flat[ev] += m
     return frozenset(flat.items())
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
@@ -11,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from dpregistry import StageParams, UserError
-from dpregistry.data import k_shot, load_table, load_tabular
+from dpregistry.data import TextData, load_tabular
 from dpregistry.progress import track
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, require_memory, seeded
 from dpregistry.stages import Objective
@@ -113,30 +112,10 @@ class HFModel(_Sub):
     head_scale: float = Field(default=20.0, gt=0, description="logit scale of a label-description head")
 
 
-class TextData(_Sub):
-    path: str | None = Field(default=None, description="folder with train/test files")
-    train: str = "train.tsv"
-    test: str = "test.tsv"
-    format: Literal["tsv", "csv", "jsonl"] | None = None
-    text: str | list[str] = "sentence"
-    label: str = "label"
-    labels: list[str] | None = None
-    k_per_class: int | None = Field(default=None, gt=0)
-    seed: int = 42
-    max_test: int | None = Field(default=None, gt=0)
-
-
 class HFTextParams(StageParams):
     model: HFModel = Field(default_factory=HFModel)
     data: TextData = Field(default_factory=TextData)
     trainable: Trainable = Field(default_factory=Trainable)
-
-
-def _data_file(d: TextData, name: str) -> Path:
-    p = Path(name).expanduser()
-    if d.path is not None and not p.is_absolute():
-        p = Path(d.path).expanduser() / p
-    return p
 
 
 class Encoder(nn.Module):
@@ -171,19 +150,7 @@ class HFTextClassification(TorchObjective):
         from dpregistry.hf import resolve_model_dir
 
         p = self.cfg
-        d = p.data
-        cols = [d.text] if isinstance(d.text, str) else list(d.text)
-        if d.path is not None and not Path(d.path).expanduser().is_dir():
-            raise UserError(f"data folder {d.path!r} not found", key="data.path")
-        train = load_table(_data_file(d, d.train), text_columns=cols, label_column=d.label, labels=d.labels, fmt=d.format)
-        test = load_table(_data_file(d, d.test), text_columns=cols, label_column=d.label,
-                          labels=train.label_names, fmt=d.format)
-        if d.k_per_class:
-            train = k_shot(train, d.k_per_class, d.seed)
-        if d.max_test:
-            test = type(test)(test.texts[:d.max_test], test.labels[:d.max_test], test.label_names, test.source)
-        if not train.labels:
-            raise UserError("the training data set is empty", file=train.source)
+        train, test = p.data.load()
         self.n_train = len(train.labels)
         self.label_names = train.label_names
         mdir = resolve_model_dir(p.model.path, need_weights=p.model.init == "pretrained")

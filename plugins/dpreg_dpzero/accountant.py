@@ -31,7 +31,7 @@ import math
 from collections import Counter
 
 from dpregistry import Accountant, UserError
-from dpregistry.privacy.events import Composed, Gaussian, NonPrivate, PoissonSampled, PrivacyEvent, SelfComposed
+from dpregistry.privacy.events import Gaussian, NonPrivate, PoissonSampled, PrivacyEvent, leaves
 
 
 def log_term(epsilon: float, delta: float) -> float:
@@ -120,26 +120,19 @@ def kov_delta(noise_multiplier: float, steps: float, epsilon: float) -> float:
     return 1.0 if excess <= 0 else max(exact, min(1.0, epsilon / excess))
 
 
-def _flatten(ev: PrivacyEvent, n: int):
+def _mechanisms(event: PrivacyEvent, count: int):
     """(Gaussian or NonPrivate, count) pairs; Poisson sampling is charged unamplified."""
-    if isinstance(ev, Composed):
-        for e in ev.events:
-            yield from _flatten(e, n)
-    elif isinstance(ev, SelfComposed):
-        yield from _flatten(ev.event, n * ev.count)
-    elif isinstance(ev, PoissonSampled):
-        yield from _flatten(ev.event, n)
-    elif isinstance(ev, (Gaussian, NonPrivate)):
+    for ev, n in leaves(event, count, unwrap=(PoissonSampled,)):
+        if not isinstance(ev, (Gaussian, NonPrivate)):
+            raise UserError(f"kov_advanced_composition cannot account {ev.type!r} events")
         yield ev, n
-    else:
-        raise UserError(f"kov_advanced_composition cannot account {ev.type!r} events")
 
 
 def _steps_and_multiplier(counter: Counter) -> tuple[int, float]:
     """(T, smallest σ/Δ) of a group of charges (m = 0 for a non-private release)."""
     steps, m = 0, math.inf
     for event, count in counter.items():
-        for ev, n in _flatten(event, count):
+        for ev, n in _mechanisms(event, count):
             if n == 0:
                 continue
             steps += n

@@ -16,6 +16,7 @@ import torch
 from pydantic import Field
 
 from dpregistry import Estimator, StageParams
+from dpregistry.context import Context
 from dpregistry.directions import Direction
 from dpregistry.spaces import VECTOR_ZO, VectorZOContribution
 from dpregistry.zeroth_order import central_differences
@@ -28,9 +29,9 @@ class ZOVectorParams(StageParams):
     directions: int = Field(default=1, ge=1, description="m directions per step; the estimate averages them")
 
 
-def direction_for(run, j: int, distribution: str) -> Direction:
+def direction_for(ctx: Context, j: int, distribution: str) -> Direction:
     """The j-th public direction of the current step (j = 0 is ``zo_two_point``'s u)."""
-    seed = run.rng.step_seed("direction", run.step) if j == 0 else run.rng.step_seed("direction", run.step, j)
+    seed = ctx.rng.seed("direction", ctx.step) if j == 0 else ctx.rng.seed("direction", ctx.step, j)
     return Direction(seed, distribution)
 
 
@@ -38,25 +39,25 @@ class ZOTwoPointVector(Estimator):
     """Two-point zeroth-order gradients Δ_i·u as vectors (clipped in L2, noised in d dims): DPGD-0th.
 
     Perturbs in place from a public seed (no parameter copy); leaves the parameters at x − λu of
-    the last direction, registered as the run's displacement, for the update rule to restore.
+    the last direction, registered with ``ctx.displace``, for the update rule to restore.
     """
 
     name = "zo_two_point_vector"
     space = VECTOR_ZO
     Params = ZOVectorParams
 
-    def contributions(self, objective, indices, run):
+    def contributions(self, objective, indices, ctx):
         m, lam = self.cfg.directions, self.cfg.smoothing
-        dirs = tuple(direction_for(run, j, self.cfg.direction) for j in range(m))
+        dirs = tuple(direction_for(ctx, j, self.cfg.direction) for j in range(m))
         cols, mids = [], []
         for j, u in enumerate(dirs):
             if j:  # restore x from the previous direction's x − λu
-                run.undo_displacement()
-            diff, mid = central_differences(objective, indices, run, u, lam)
+                ctx.undo_displacement()
+            diff, mid = central_differences(objective, indices, ctx, u, lam)
             cols.append(diff / m)
             mids.append(mid)
         values = torch.stack(cols, 1)
-        yield VectorZOContribution(values=values, directions=dirs, params=dict(run.params),
+        yield VectorZOContribution(values=values, directions=dirs, params=dict(ctx.params),
                                    losses=torch.stack(mids, 1).mean(1))
 
 

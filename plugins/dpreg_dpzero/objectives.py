@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dpregistry import StageParams, UserError
-from dpregistry.data import k_shot, load_table
+from dpregistry.data import TextData
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, seeded
-from dpreg_baseline.objectives import TextData
+from dpregistry.progress import track
 
 CONFIGS = Path(__file__).with_name("configs")
 #: names (and hub ids) whose architecture ships with the plugin, as small JSON configs
@@ -223,18 +223,18 @@ class PromptLM(TorchObjective):
 
         return AutoModelForMaskedLM if self.masked else AutoModelForCausalLM
 
-    def _load_model(self, run):
+    def _load_model(self, ctx):
         m = self.cfg.model
         config, folder = resolve_config(m.path, m.init)
         dtype = DTYPES[m.dtype]
         auto = self._auto_class()
         try:
-            with seeded(run.rng.step_seed("init", 0)):
+            with seeded(ctx.rng.seed("init", 0)):
                 if m.init == "random":
-                    with torch.device(run.device):
+                    with torch.device(ctx.device):
                         lm = auto.from_config(config, dtype=dtype)
                 else:
-                    lm = auto.from_pretrained(folder, dtype=dtype).to(run.device)
+                    lm = auto.from_pretrained(folder, dtype=dtype).to(ctx.device)
         except ValueError as e:  # a config this LM class does not know
             kind = "masked" if self.masked else "causal"
             raise UserError(f"{m.path!r} is not a {kind} language model ({str(e).splitlines()[0]})",
@@ -243,20 +243,20 @@ class PromptLM(TorchObjective):
             raise UserError(f"cannot load the weights of {m.path!r} ({str(e).splitlines()[0]})"
                             + _random_init_hint(), key="model.path") from None
         if m.lora is not None:
-            lm = self._inject_lora(lm, run)
+            lm = self._inject_lora(lm, ctx)
         return lm, config, folder
 
-    def _inject_lora(self, lm, run):
+    def _inject_lora(self, lm, ctx):
         try:
             from peft import LoraConfig, inject_adapter_in_model
         except ImportError:
             raise UserError("model.lora needs the package peft (pip install peft)", key="model.lora") from None
         lc = self.cfg.model.lora
         conf = LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=0.0, target_modules=lc.target_modules)
-        with seeded(run.rng.step_seed("lora_init", 0)):
+        with seeded(ctx.rng.seed("lora_init", 0)):
             lm = inject_adapter_in_model(conf, lm)
         # adapters are created in fp32; keep them in the model's dtype (and device)
-        return lm.to(run.device, DTYPES[self.cfg.model.dtype])
+        return lm.to(ctx.device, DTYPES[self.cfg.model.dtype])
 
     def _tokenizer(self, config, folder):
         m = self.cfg.model
@@ -276,53 +276,27 @@ class PromptLM(TorchObjective):
             raise UserError("a pretrained model needs its tokenizer; set model.tokenizer", key="model.tokenizer")
         return ByteTokenizer(config, words, self.masked)
 
-    def build(self, run):
-        try:
-            self._build(run)
-        except UserError as e:  # name the recipe file and line of the offending key
-            if e.file is None and e.key:
-                path = e.key.split(".") if e.key.startswith("train.") else ["objective", *e.key.removeprefix(
-                    "objective.").split(".")]
-                w = run.recipe.where(*path)
-                e.file, e.line = run.recipe.source, w.get("line")
-            raise
-
-    def _build(self, run):
+    def build(self, ctx):
         # The model comes first: missing weights are the first thing a user should hear about.
-        self.lm, config, folder = self._load_model(run)
+        # (The run locates a UserError's key in the recipe: ``model.path`` is objective.model.path.)
+        self.lm, config, folder = self._load_model(ctx)
         self.model = self.lm
         self.tok = self._tokenizer(config, folder)
-        d = self.cfg.data
-        cols = [d.text] if isinstance(d.text, str) else list(d.text)
-        if d.path is not None and not Path(d.path).expanduser().is_dir():
-            raise UserError(f"data folder {d.path!r} not found; set data.path (e.g. --set data.path=DIR with "
-                            "train.tsv and test.tsv)", key="data.path")
-        train = load_table(self._file(d.train), text_columns=cols, label_column=d.label, labels=d.labels, fmt=d.format)
-        test = load_table(self._file(d.test), text_columns=cols, label_column=d.label,
-                          labels=train.label_names, fmt=d.format)
-        if d.k_per_class:
-            train = k_shot(train, d.k_per_class, d.seed)
-        if d.max_test:
-            test = type(test)(test.texts[:d.max_test], test.labels[:d.max_test], test.label_names, test.source)
+        train, test = self.cfg.data.load()
         words = self.cfg.prompt.label_words
         if len(words) != len(train.label_names):
             raise UserError(f"prompt.label_words needs one word per label ({len(train.label_names)}: "
                             f"{train.label_names})", key="objective.prompt.label_words")
-        self.word_ids = torch.tensor([self.tok.word_id(w) for w in words], device=run.device)
+        self.word_ids = torch.tensor([self.tok.word_id(w) for w in words], device=ctx.device)
         if len(set(self.word_ids.tolist())) != len(words):
             raise UserError("two label words map to the same token", key="objective.prompt.label_words")
         self.n_train = len(train.labels)
         self.label_names = train.label_names
-        self.cols = cols
+        self.cols = self.cfg.data.columns
         self.train_tok = [self._encode(t) for t in train.texts]
         self.test_tok = [self._encode(t) for t in test.texts]
-        self.y_train = torch.tensor(train.labels, device=run.device, dtype=torch.long)
-        self.y_test = torch.tensor(test.labels, device=run.device, dtype=torch.long)
-
-    def _file(self, name):
-        p = Path(name).expanduser()
-        d = self.cfg.data
-        return Path(d.path).expanduser() / p if d.path is not None and not p.is_absolute() else p
+        self.y_train = torch.tensor(train.labels, device=ctx.device, dtype=torch.long)
+        self.y_test = torch.tensor(test.labels, device=ctx.device, dtype=torch.long)
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -377,7 +351,8 @@ class PromptLM(TorchObjective):
     def evaluate(self, batch_size: int = 32):
         order = sorted(range(len(self.test_tok)), key=lambda i: len(self.test_tok[i][0]))
         correct, loss = 0, 0.0
-        for s in range(0, len(order), batch_size):
+        starts = range(0, len(order), batch_size)
+        for s in track(starts, len(starts), "held-out evaluation"):
             idx = order[s:s + batch_size]
             logits = self.label_logits([self.test_tok[i] for i in idx])
             y = self.y_test[idx]

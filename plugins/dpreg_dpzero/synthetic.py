@@ -4,7 +4,7 @@ f(x; x_i) = ½(x − x_i)ᵀA(x − x_i) with x_i ~ N(1, I_d), A = diag(a) with 
 (a) a_i = 1, (b) a_i = 1/√i, (c) a_i = 1/i. Full batch, sphere directions, x_0 = 0, the last iterate,
 Lemma 2.2 noise at (ε, δ); the metric is the test gradient norm ‖A(x − mean(x_test))‖.
 
-A grid search (the paper's Table 4 has 880 points per method and d) through the engine would
+A grid search (the paper's Table 4 has 880 points per method and d) run by run would
 take days, so this module runs every grid point at once with the *same* public directions u_t
 (as the spec's re-simulation did) and the same data, using two facts:
 
@@ -18,7 +18,7 @@ DPGD-0th clips the vector Δ_i·u, i.e. the scalar at C/‖u‖ = C/√d on the 
 d-dimensional noise. DP-GD clips per-example gradients A(x − x_i) in L2.
 
 The data, the directions (``Direction`` from the run's public seeds) and, on request, the noise
-(the run's noise source) are those of the engine, so a test can check this simulator against
+(the run's noise source) are those of a real run, so a test can check this simulator against
 real runs of ``dpzero_full_batch`` and ``dpgd_0th`` step by step.
 """
 
@@ -133,7 +133,7 @@ def simulate_zo_methods(problems: list[Problem], configs: list[Config], *, seeds
     """Last iterates [S, K, d] per method: S independent repetitions (problem s with run seed
     ``seeds[s]``), every grid point and every method on the same directions and data products.
 
-    u_t is the engine's direction at step t for run seed ``seeds[s]``. ``noise(t, k, shape)``
+    u_t is a real run's direction at step t for run seed ``seeds[s]``. ``noise(t, k, shape)``
     gives the standard normal draws of grid point k at step t (only with S = 1; default: seeded
     generators). ``sigmas`` overrides the Lemma 2.2 std on the mean (per config).
     """
