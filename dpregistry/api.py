@@ -222,9 +222,11 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
 
 def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: int | None = None, model=None,
            loss: Callable | None = None, train_data=None, eval_data=None, metrics=None, console=None,
-           warn: Callable[[str], None] | None = None) -> Result:
+           warn: Callable[[str], None] | None = None, say: Callable[[str], None] | None = None) -> Result:
     """Continue the run of ``run_dir`` from its newest valid checkpoint (the privacy ledger
-    continues too). A run of your own model needs the same model, loss and data again."""
+    continues too). A run of your own model needs the same model, loss and data again. ``say``
+    gets the one-line status (from which step it continues, what was spent; default: printed
+    when ``verbose``)."""
     from .folder import not_a_run_folder, resume_run, run_lock
     from .loop import finish
 
@@ -241,13 +243,14 @@ def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: in
         on_rank0_for_all(comm, lambda: held.enter_context(run_lock(run_dir)))
         r = resume_run(run_dir, comm=comm, warn=(warn or _warn) if rank0 else (lambda m: None),
                        max_nonfinite_steps=max_nonfinite_steps, provides=provides)
+        say = say or ((lambda m: _say(console, m)) if verbose else (lambda m: None))
         if r.algorithm.done(r.ctx):
-            if verbose and rank0:
-                _say(console, f"the run already finished at step {r.step}")
+            if rank0:
+                say(f"the run already finished at step {r.step}")
             summary = finish(r, time.time())
         else:
-            if verbose and rank0:
-                _say(console, f"resuming {run_dir} at step {r.step} of {r.total_steps}; spent so far: {spent(r)}")
+            if rank0:
+                say(f"resuming {run_dir} at step {r.step} of {r.total_steps}; spent so far: {spent(r)}")
             summary = _train(r, verbose and rank0, console)
     leave(comm)
     return Result(r, summary, run_dir)

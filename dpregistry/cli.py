@@ -176,7 +176,8 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
 
     with user_errors():
         result = resume(run_dir, verbose=not quiet, max_nonfinite_steps=max_nonfinite_steps, console=console,
-                        warn=lambda m: err.print(escape(m), style="yellow"))
+                        warn=lambda m: err.print(escape(m), style="yellow"),
+                        say=lambda m: console.print(escape(m), highlight=False))
     _finish(result)
 
 

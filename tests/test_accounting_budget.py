@@ -81,7 +81,7 @@ def test_ledger_is_charged_every_step_and_matches_an_independent_count(uninterru
     z = run.privatizer.noise_multiplier
     assert summary["epsilon"] == pytest.approx(expected_epsilon(z, STEPS), rel=1e-12)
     assert summary["epsilon"] <= 2.0 and summary["epsilon"] > 1.99  # calibrated: the budget is used
-    rows = [json.loads(line) for line in (run.out_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run.folder.metrics).read_text().splitlines()]
     assert [r["step"] for r in rows] == [5, 10, 15, 20]
     for r in rows:  # ε after k steps is the ε of k charges
         assert r["epsilon"] == pytest.approx(expected_epsilon(z, r["step"]), rel=1e-12)
@@ -89,7 +89,7 @@ def test_ledger_is_charged_every_step_and_matches_an_independent_count(uninterru
 
 def test_every_checkpoint_carries_the_ledger(uninterrupted):
     run, _ = uninterrupted
-    for step, path in ckpt.list_checkpoints(run.out_dir / "checkpoints"):
+    for step, path in ckpt.list_checkpoints(run.folder.checkpoints):
         _, meta = ckpt.read(path)
         ledger = Ledger.from_json(meta["ledger"])
         assert ledger.n_charges == step
