@@ -12,10 +12,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from dpregistry import StageParams, UserError
+from dpregistry import Budget, StageParams, UserError
 from dpregistry.privacy.conversions import zcdp_to_epsilon
 
-from dpreg_nonsmooth.algorithm import O2NCAlgorithm, Settings, cfg, is_auto
+from dpreg_nonsmooth import O2NCAlgorithm, O2NCSchedule, is_auto
 
 from .theory import erm_settings, theory_dirs_fo, theory_dirs_zo, theory_period, theory_radius, theory_window
 
@@ -34,6 +34,12 @@ def klt_epsilon(budget) -> float:
 
 def _int_or(v, default):
     return default if is_auto(v) else v
+
+
+def _restart(alg: O2NCAlgorithm) -> int | None:
+    """KLT never restarts the learner (spec 002 §4 (a)) unless the recipe says how often."""
+    v = alg.learner().cfg.restart_every
+    return None if v in ("never", "auto") else int(v)
 
 
 class KLTParams(StageParams):
@@ -58,30 +64,26 @@ class KLTSinglePass(O2NCAlgorithm):
         "accountant": {"name": "zcdp_fail"},
     }
 
-    def _common(self, run):
-        d, n = self.view.dim, run.n_train
-        alpha, L = self.smoothing(run)
-        return d, n, alpha, L
-
-    def resolve(self, run) -> Settings:
-        d, n, alpha, L = self._common(run)
-        eps = klt_epsilon(run.budget)
-        upd = run.update_rule
-        T0 = max(1, min(run.recipe.train.steps, n // 2))  # T = Θ(n): about two records per step
-        D = cfg(upd, "radius", "auto")
+    def resolve(self, ctx) -> O2NCSchedule:
+        d, n = self.view.dim, ctx.n_train
+        oracle, budget = self.smoothing(ctx), ctx.need(Budget)
+        alpha, L = oracle.radius, oracle.lipschitz
+        eps = klt_epsilon(budget)
+        upd = self.learner().cfg
+        T0 = max(1, min(ctx.max_steps, n // 2))  # T = Θ(n): about two records per step
+        D = upd.radius
         # M = α/(4D) must be ≥ 1, so an auto D is at most α/4 (short runs; spec 002 [AMBIG-13])
         D = min(theory_radius(self.cfg.init_gap, alpha, L, T0, d, eps), alpha / 4) if is_auto(D) else float(D)
         P = _int_or(self.cfg.vr_period, None) or theory_period(alpha, eps, D, d)
-        M = _int_or(cfg(upd, "window", "auto"), None) or theory_window(alpha, D)
-        b1, b2, single = self.batches(run, P, 1)
-        steps = self.steps_for(run, P, b1, b2, single)
+        M = _int_or(upd.window, None) or theory_window(alpha, D)
+        b1, b2, single = self.batches(ctx, P, 1)
+        steps = self.steps_for(ctx, P, b1, b2, single)
         # δ_fail auto: half of δ for the pair of differing records, i.e. γ = δ/4 per record
-        gamma = run.budget.delta / 4 if run.budget.delta else 0.0
-        restart = cfg(upd, "restart_every", "never")
-        restart = None if restart in ("never", "auto") else int(restart)
+        gamma = budget.delta / 4 if budget.delta else 0.0
+        restart = _restart(self)
         dirs = None
-        if cfg(run.estimator, "dirs_per_sample") == "theory":
-            g = self._gamma(run, gamma)
+        if oracle.theory_dirs:
+            g = gamma if is_auto(oracle.delta_fail) else float(oracle.delta_fail)
             if g <= 0:
                 raise UserError("dirs_per_sample: theory needs a failure probability (privacy.delta or "
                                 "estimator.delta_fail > 0)", key="estimator.dirs_per_sample")
@@ -91,14 +93,9 @@ class KLTSinglePass(O2NCAlgorithm):
                                 f"exceeds max_dirs = {self.cfg.max_dirs:,}; set estimator.dirs_per_sample to a "
                                 "practical m with privacy_mode: clip (deterministic sensitivity)",
                                 key="estimator.dirs_per_sample")
-        return Settings(dim=d, n=n, period=P, batch_first=b1, batch_rest=b2, radius=D, window=M,
-                        restart_every=restart, total_steps=steps, single_pass=single, smooth_radius=alpha,
-                        lipschitz=L, dirs=dirs, delta_fail=gamma, extra={"epsilon": eps, "T0": T0})
-
-    @staticmethod
-    def _gamma(run, auto: float) -> float:
-        g = cfg(run.estimator, "delta_fail", 0.0)
-        return auto if is_auto(g) else float(g)
+        return O2NCSchedule(dim=d, n=n, period=P, batch_first=b1, batch_rest=b2, radius=D, window=M,
+                            restart_every=restart, total_steps=steps, single_pass=single, smooth_radius=alpha,
+                            lipschitz=L, dirs=dirs, delta_fail=gamma, extra={"epsilon": eps, "T0": T0})
 
 
 class KLTFirstOrder(KLTSinglePass):
@@ -134,25 +131,24 @@ class KLTMultiPass(O2NCAlgorithm):
         "accountant": {"name": "zcdp_fail"},
     }
 
-    def resolve(self, run) -> Settings:
-        d, n = self.view.dim, run.n_train
-        alpha, L = self.smoothing(run)
+    def resolve(self, ctx) -> O2NCSchedule:
+        d, n = self.view.dim, ctx.n_train
+        oracle, budget = self.smoothing(ctx), ctx.need(Budget)
+        alpha, L = oracle.radius, oracle.lipschitz
         D_t, T_t, _ = erm_settings(self.cfg.init_gap, alpha, L, self.cfg.stat_tol, d, self.cfg.d_rule)
-        upd = run.update_rule
-        D = D_t if is_auto(cfg(upd, "radius", "auto")) else float(cfg(upd, "radius"))
+        upd = self.learner().cfg
+        D = D_t if is_auto(upd.radius) else float(upd.radius)
         P = max(1, math.ceil(alpha / (D * math.sqrt(d)))) if is_auto(self.cfg.vr_period) else int(self.cfg.vr_period)
-        M = _int_or(cfg(upd, "window", "auto"), None) or theory_window(alpha, D)
-        b1, b2, single = self.batches(run, n, n)
+        M = _int_or(upd.window, None) or theory_window(alpha, D)
+        b1, b2, single = self.batches(ctx, n, n)
         if single:
             raise UserError(f"algorithm {self.name!r} reads every record at every step (sampler: full_batch)",
                             key="sampler")
-        steps = min(run.recipe.train.steps, T_t)  # Thm 4.1's T, capped by train.steps
-        gamma = run.budget.delta / (4 * steps) if run.budget.delta else 0.0  # half of δ over T uses, 2 records
-        restart = cfg(upd, "restart_every", "never")
-        restart = None if restart in ("never", "auto") else int(restart)
-        return Settings(dim=d, n=n, period=P, batch_first=b1, batch_rest=b2, radius=D, window=M,
-                        restart_every=restart, total_steps=steps, single_pass=False, smooth_radius=alpha,
-                        lipschitz=L, delta_fail=gamma, extra={"theory_T": T_t})
+        steps = min(ctx.max_steps, T_t)  # Thm 4.1's T, capped by train.steps
+        gamma = budget.delta / (4 * steps) if budget.delta else 0.0  # half of δ over T uses, 2 records
+        return O2NCSchedule(dim=d, n=n, period=P, batch_first=b1, batch_rest=b2, radius=D, window=M,
+                            restart_every=_restart(self), total_steps=steps, single_pass=False, smooth_radius=alpha,
+                            lipschitz=L, delta_fail=gamma, extra={"theory_T": T_t})
 
 
 class KLTMultiPassFO(KLTMultiPass):

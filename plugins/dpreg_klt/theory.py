@@ -10,8 +10,7 @@ from __future__ import annotations
 import math
 
 from dpregistry.privacy.conversions import epsilon_to_zcdp
-
-from dpreg_nonsmooth.tree import nodes_per_record
+from dpregistry.privacy.events import tree_nodes_per_record as nodes_per_record
 
 
 def theory_radius(init_gap: float, alpha: float, lipschitz: float, T: int, dim: int, epsilon: float) -> float:

@@ -10,14 +10,57 @@
 * objectives: ``l1_distance``, ``ring``, ``min_of_norms``.
 
 The algorithms (presets) live in the two paper plugins, ``dpreg_ztc`` and ``dpreg_klt``.
+
+This plugin is also a library for those two (issue 15: a plugin otherwise depends on dpregistry
+alone). Its public API is ``__all__`` below, importable from the package itself; the paper
+plugins import nothing else of it, and anything else may change without notice:
+
+* the O2NC algorithm base (:class:`O2NCAlgorithm`: period clock, resets, closed-form plan) and
+  the theorem helpers :func:`is_auto` and :func:`data_limit`;
+* the typed values its stages exchange (:mod:`dpreg_nonsmooth.exchange`): :class:`O2NCSchedule`,
+  :class:`Smoothing`, :class:`OracleBounds`, :class:`GradientBound`; a third-party stage may
+  provide or need them like ours;
+* the binary tree's node arithmetic that the papers' closed forms use (:func:`node_set`,
+  :func:`paper_node_bound`; the nodes a record lies in, which accounting needs too, is
+  dpregistry's ``privacy.events.tree_nodes_per_record``);
+* the :class:`ConcentrationFailure` event.
+
+Names other than the event are imported on first use (PEP 562), so that ``dpreg`` does not load
+the stages' schemas or torch to list the plugins.
 """
+
+from __future__ import annotations
+
+import importlib
 
 from dpregistry import StagePlugin
 
 # importing registers the event type, so that any ledger naming it can be read back
 from .accounting import ConcentrationFailure
 
-__all__ = ["ConcentrationFailure", "plugin"]
+#: public name -> the module that defines it
+_PUBLIC = {
+    "O2NCAlgorithm": ".algorithm", "is_auto": ".algorithm", "data_limit": ".algorithm",
+    "O2NCSchedule": ".exchange", "Smoothing": ".exchange", "OracleBounds": ".exchange",
+    "GradientBound": ".exchange",
+    "node_set": ".tree", "paper_node_bound": ".tree",
+}
+
+__all__ = ["plugin", "ConcentrationFailure", *_PUBLIC]
+
+
+def __getattr__(name: str):
+    where = _PUBLIC.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
 
 # Each stage is imported on first use (see dpregistry.registry).
 plugin = StagePlugin(lazy={

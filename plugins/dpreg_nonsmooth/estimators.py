@@ -17,20 +17,26 @@ high-probability bounds, on a concentration event whose failure probability is c
 Directions come from per-(step, slot, side) generators, independent of the records (coupled
 randomness, spec 002 §2.2): public ones where the bound holds for every draw, secret ones (from the
 run's noise key) where the privatizer relies on a high-probability bound and charges its δ_fail.
+
+Each oracle provides its :class:`~dpreg_nonsmooth.exchange.Smoothing` (to the O2NC algorithm) and
+its :class:`~dpreg_nonsmooth.exchange.OracleBounds` (to the privatizer and the algorithm), and
+reads the algorithm's :class:`~dpreg_nonsmooth.exchange.O2NCSchedule` (D, the period, m, δ_fail).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
 from pydantic import Field
 
-from dpregistry import Estimator, StageParams, UserError
+from dpregistry import Estimator, Objective, StageParams, UserError
 from dpregistry.spaces import DENSE, GRADIENT, INCREMENT, DenseContribution
 
-from .points import FlatView, PointQuery, ball, secret_generator, sphere, step_generator
+from .exchange import O2NCSchedule, OracleBounds, Smoothing
+from .points import FlatView, PointQueries, PointQuery, ball, secret_generator, sphere, step_generator
 
 #: elements (slots × directions × d) per batched loss query
 CHUNK_ELEMS = 1 << 21
@@ -63,25 +69,29 @@ class OracleEstimator(Estimator):
     space = DENSE
     contribution_kind = INCREMENT
     Params = OracleParams
+    needs = (Objective, O2NCSchedule)
+    provides = (Smoothing, OracleBounds)
 
-    def setup(self, run):
-        self.view = FlatView(run.params)
+    @dataclass
+    class State:
+        prev: torch.Tensor | None = None  # the previous query point w_(t−1) (None: the next estimate is fresh)
+
+    def setup(self, ctx):
+        self.view = FlatView(ctx.params)
         self.d = self.view.dim
-        self.query = PointQuery(run.objective, self.view)
-        self.prev: torch.Tensor | None = None
+        self.query = PointQuery(ctx.need(Objective), self.view)
         self.purpose = f"{self.name}.dirs"
         self._secret_dirs = False  # set per query: does its bound rest on unknown directions?
-        self.settings = getattr(run.algorithm, "settings", None)
+        self.settings = ctx.need(O2NCSchedule)
+        self.bounds = self._bounds()
 
-    def validate(self, run):
-        if self.settings is None:
-            raise UserError(f"estimator {self.name!r} needs an O2NC algorithm (it reads D, the batch schedule "
-                            f"and m from the algorithm); got {run.algorithm.name!r}", key="estimator")
-        PointQuery.check(run.objective, need_grad=self.first_order)
+    def validate(self, ctx):
+        objective = ctx.need(Objective)
+        PointQuery.check(objective, need_grad=self.first_order)
         if self.cfg.privacy_mode == "paper":
-            L_obj = getattr(run.objective, "lipschitz", None)
+            L_obj = objective.lipschitz if isinstance(objective, PointQueries) else None
             if L_obj is None:
-                raise UserError(f"objective {run.objective.name!r} declares no Lipschitz constant, so the paper's "
+                raise UserError(f"objective {objective.name!r} declares no Lipschitz constant, so the paper's "
                                 "sensitivity bound would be an unchecked assumption; use privacy_mode: clip",
                                 key="estimator.privacy_mode")
             if self.cfg.lipschitz < L_obj * (1 - 1e-12):
@@ -89,6 +99,30 @@ class OracleEstimator(Estimator):
                                 "the sensitivity bound would be wrong", key="estimator.lipschitz")
 
     first_order = False
+
+    # -- what it declares to the other stages ---------------------------------------------------
+
+    @property
+    def theory_dirs(self) -> bool:
+        """Whether the recipe leaves m to the algorithm's theorem (dirs_per_sample: theory)."""
+        return False
+
+    def provide(self, kind):
+        if kind is Smoothing:  # recipe values: the algorithm reads them in its setup, before this one's
+            c = self.cfg
+            return Smoothing(c.smooth_radius, c.lipschitz, c.delta_fail, self.theory_dirs)
+        if kind is OracleBounds:
+            return self.bounds
+        return super().provide(kind)
+
+    def _bounds(self) -> OracleBounds:
+        """The public bounds of this run: a fresh estimate, and an increment at the worst gap (when a
+        period has increments at all: Σ > 1 and an increment oracle)."""
+        increments = self.settings.period > 1 and self.contribution_kind == INCREMENT
+        return OracleBounds(fresh=self.public_bound(True, 0.0),
+                            increment=self.public_bound(False, self.max_gap) if increments else None,
+                            fresh_variance=self.variance(True, 0.0),
+                            increment_variance=self.variance(False, 2 * self.settings.radius) if increments else 0.0)
 
     # -- parameters shared with the algorithm ---------------------------------------------------
 
@@ -114,16 +148,16 @@ class OracleEstimator(Estimator):
         """Bound on a per-example contribution's E‖c − E c‖² (for the step size only)."""
         raise NotImplementedError
 
-    def _fresh(self, x, indices, run) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fresh(self, x, indices, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def _increment(self, x, y, indices, run) -> tuple[torch.Tensor, torch.Tensor]:
+    def _increment(self, x, y, indices, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     # -- the estimator contract -------------------------------------------------------------------
 
     def reset(self):
-        self.prev = None
+        self.state.prev = None
 
     def public_bound(self, fresh: bool, gap: float) -> tuple[float, float]:
         """The bound the privatizer uses: (R, γ), with γ = 0 once ``clip`` enforces R."""
@@ -131,12 +165,13 @@ class OracleEstimator(Estimator):
         return R, (0.0 if self.cfg.privacy_mode == "clip" else gamma)
 
     @torch.no_grad()
-    def contributions(self, objective, indices, run):
-        x = self.view.flat(run.params)
-        fresh = self.prev is None or self.contribution_kind == GRADIENT
+    def contributions(self, objective, indices, ctx):
+        x = self.view.flat(ctx.params)
+        prev = self.state.prev
+        fresh = prev is None or self.contribution_kind == GRADIENT
         gap = 0.0
         if not fresh:
-            gap = float(torch.linalg.vector_norm(x - self.prev))
+            gap = float(torch.linalg.vector_norm(x - prev))
             if gap > self.max_gap:  # spec 001 coupling 3: the sensitivity rests on it
                 raise RuntimeError(f"‖w_t − w_(t−1)‖ = {gap:.6g} exceeds 2D = {self.max_gap:.6g}")
         R, gamma = self.public_bound(fresh, gap)
@@ -144,32 +179,24 @@ class OracleEstimator(Estimator):
         # picks the data knows them: draw them from the secret noise key then (spec 002 §2.2, §2.5)
         self._secret_dirs = gamma > 0
         if fresh:
-            per, losses = self._fresh(x, indices, run)
+            per, losses = self._fresh(x, indices, ctx)
         else:
-            per, losses = self._increment(x, self.prev, indices, run)
-        self.prev = x
+            per, losses = self._increment(x, prev, indices, ctx)
+        self.state.prev = x
         yield DenseContribution(per_example=self.view.unflatten(per), kind=self.contribution_kind, losses=losses,
                                 info={"bound": R, "gamma": gamma, "fresh": fresh, "gap": gap,
                                       "enforce": self.cfg.privacy_mode == "clip"})
 
-    def state_dict(self):
-        return {} if self.prev is None else {"prev": self.prev}
-
-    def load_state_dict(self, state):
-        self.prev = state.get("prev")
-        if self.prev is not None:
-            self.prev = self.prev.clone()
-
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _slot_chunks(self, run, n_local: int, per_slot: int):
+    def _slot_chunks(self, ctx, n_local: int, per_slot: int):
         """(global slot range, this rank's rows in it, their offsets in the range), range by range.
 
         The ranges cover the whole batch and depend only on its size, m and d (public), and every
         rank draws the directions of every range: a slot gets the same directions whichever rank
         evaluates it, so N processes compute what one does (up to the order of the final sum)."""
-        pos = run.comm.positions
-        n = n_local if pos is None else run.comm.batch_size
+        pos = ctx.comm.positions
+        n = n_local if pos is None else ctx.comm.batch_size
         pos = torch.arange(n) if pos is None else pos
         size = max(1, CHUNK_ELEMS // max(per_slot, 1))
         for s in range(0, n, size):
@@ -177,10 +204,10 @@ class OracleEstimator(Estimator):
             rows = ((pos >= sl.start) & (pos < sl.stop)).nonzero().squeeze(1)
             yield sl, rows, pos[rows] - sl.start
 
-    def _generator(self, run, side: int) -> torch.Generator:
+    def _generator(self, ctx, side: int) -> torch.Generator:
         if self._secret_dirs:
-            return secret_generator(run, self.purpose, run.step, side)
-        return step_generator(run, self.purpose, run.step, side)
+            return secret_generator(ctx, self.purpose, ctx.step, side)
+        return step_generator(ctx, self.purpose, ctx.step, side)
 
     def _dirs(self, g: torch.Generator, sl: slice, m: int, dtype) -> torch.Tensor:
         """[slots, m, d] unit-sphere directions, drawn slot after slot from the step's generator."""
@@ -207,21 +234,24 @@ class ZOSphere(OracleEstimator):
     Params = ZOSphereParams
 
     @property
+    def theory_dirs(self) -> bool:
+        return self.cfg.dirs_per_sample == "theory"
+
+    @property
     def m(self) -> int:
         v = self.cfg.dirs_per_sample
         if v == "dim":
-            return self.d
-        if v == "theory":
-            if not self.settings or not self.settings.dirs:
-                raise UserError(f"dirs_per_sample: theory needs an algorithm that derives m; "
-                                f"{self.settings and 'this one does not'}", key="estimator.dirs_per_sample")
-            return int(self.settings.dirs)
-        return int(v)
-
-    def validate(self, run):
-        super().validate(run)
-        if self.m < 1:
+            m = self.d
+        elif v == "theory":
+            if not self.settings.dirs:
+                raise UserError("dirs_per_sample: theory needs an algorithm that derives m; this one does not",
+                                key="estimator.dirs_per_sample")
+            m = int(self.settings.dirs)
+        else:
+            m = int(v)
+        if m < 1:  # checked where m is first used: the bounds, in setup
             raise UserError("dirs_per_sample must be at least 1", key="estimator.dirs_per_sample")
+        return m
 
     def bound(self, fresh, gap):
         d, L, a, m = self.d, self.cfg.lipschitz, self.cfg.smooth_radius, self.m
@@ -246,14 +276,14 @@ class ZOSphere(OracleEstimator):
             return zo * gap * gap / (a * a)  # Lemma 3.2
         return (L * math.sqrt(d) * gap / a) ** 2 + 2 * zo
 
-    def _central(self, x, indices, run, side):
+    def _central(self, x, indices, ctx, side):
         """Per-example (1/m)Σ_j (d/2δ)(f(x+δu_j) − f(x−δu_j))u_j and the mean loss, [B, d], [B]."""
         B, d, m, a = len(indices), self.d, self.m, self.cfg.smooth_radius
         cap = 2 * self.cfg.lipschitz * a
         out = x.new_zeros(B, d)
         loss = x.new_zeros(B)
-        g = self._generator(run, side)
-        for sl, rows, offs in self._slot_chunks(run, B, 2 * m * d):
+        g = self._generator(ctx, side)
+        for sl, rows, offs in self._slot_chunks(ctx, B, 2 * m * d):
             U = self._dirs(g, sl, m, x.dtype)[offs]                              # [b, m, d]
             if not len(rows):  # drawn all the same: the generator stays in step with other ranks
                 continue
@@ -266,20 +296,20 @@ class ZOSphere(OracleEstimator):
             loss[rows] = f.mean(1)
         return out, loss
 
-    def _fresh(self, x, indices, run):
-        return self._central(x, indices, run, side=0)
+    def _fresh(self, x, indices, ctx):
+        return self._central(x, indices, ctx, side=0)
 
-    def _increment(self, x, y, indices, run):
+    def _increment(self, x, y, indices, ctx):
         if self.cfg.diff_mode == "independent_central":  # spec 002 Alg. 3 lines 12–16
-            a, la = self._central(x, indices, run, side=0)
-            b, lb = self._central(y, indices, run, side=1)
+            a, la = self._central(x, indices, ctx, side=0)
+            b, lb = self._central(y, indices, ctx, side=1)
             return a - b, la
         B, d, m, a = len(indices), self.d, self.m, self.cfg.smooth_radius
         cap = self.cfg.lipschitz * float(torch.linalg.vector_norm(x - y))
         out = x.new_zeros(B, d)
         loss = x.new_zeros(B)
-        g = self._generator(run, 0)
-        for sl, rows, offs in self._slot_chunks(run, B, 2 * m * d):
+        g = self._generator(ctx, 0)
+        for sl, rows, offs in self._slot_chunks(ctx, B, 2 * m * d):
             U = self._dirs(g, sl, m, x.dtype)[offs]
             if not len(rows):
                 continue
@@ -330,10 +360,14 @@ class FOBall(OracleEstimator):
     first_order = True
 
     @property
+    def theory_dirs(self) -> bool:
+        return self.cfg.dirs_per_sample == "theory"
+
+    @property
     def m(self) -> int:
         v = self.cfg.dirs_per_sample
         if v == "theory":
-            if not self.settings or not self.settings.dirs:
+            if not self.settings.dirs:
                 raise UserError("dirs_per_sample: theory needs an algorithm that derives m",
                                 key="estimator.dirs_per_sample")
             return int(self.settings.dirs)
@@ -354,12 +388,12 @@ class FOBall(OracleEstimator):
             return 4 * L * L / self.cfg.perturbations_fresh
         return (L * math.sqrt(d) * gap / a) ** 2 + 8 * L * L / self.m
 
-    def _ball_grads(self, x, indices, run, m, side):
+    def _ball_grads(self, x, indices, ctx, m, side):
         B, d, a = len(indices), self.d, self.cfg.smooth_radius
         out = x.new_zeros(B, d)
         loss = x.new_zeros(B)
-        g = self._generator(run, side)
-        for sl, rows, offs in self._slot_chunks(run, B, m * d):
+        g = self._generator(ctx, side)
+        for sl, rows, offs in self._slot_chunks(ctx, B, m * d):
             Y = ball(g, (sl.stop - sl.start) * m, d, a, x.dtype).view(-1, m, d)[offs]   # [b, m, d]
             if not len(rows):
                 continue
@@ -369,12 +403,12 @@ class FOBall(OracleEstimator):
             loss[rows] = self.query.losses(pts, idx).view(-1, m).mean(1)
         return out, loss
 
-    def _fresh(self, x, indices, run):
-        return self._ball_grads(x, indices, run, self.cfg.perturbations_fresh, side=0)
+    def _fresh(self, x, indices, ctx):
+        return self._ball_grads(x, indices, ctx, self.cfg.perturbations_fresh, side=0)
 
-    def _increment(self, x, y, indices, run):
-        a, la = self._ball_grads(x, indices, run, self.m, side=0)
-        b, _ = self._ball_grads(y, indices, run, self.m, side=1)  # independent perturbations at z_(t−1)
+    def _increment(self, x, y, indices, ctx):
+        a, la = self._ball_grads(x, indices, ctx, self.m, side=0)
+        b, _ = self._ball_grads(y, indices, ctx, self.m, side=1)  # independent perturbations at z_(t−1)
         return a - b, la
 
 

@@ -15,22 +15,26 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from typing import Callable
+
 from dpregistry import Objective, StageParams
 from dpregistry.objectives import DTYPES, require_memory
 
+from .points import PointQueries
 
-class PointObjective(Objective):
+
+class PointObjective(Objective, PointQueries):
     """Base: one parameter vector ``x``; per-example losses/gradients at any flat points.
 
     Rows are gathered with ``index_select``: advanced indexing ``z[idx]`` runs a parallel kernel
     that takes milliseconds instead of microseconds when the CPU is oversubscribed.
     """
 
-    #: every f(·; z) is L-Lipschitz with this L (None: unknown, only clipped modes are private)
-    lipschitz: float | None = None
+    #: the query points averaged into the output, when an O2NC algorithm composes this objective with
+    #: its update rule (it sets this in its setup): ``evaluate`` then reports their certificate
+    certificate_points: Callable[[], torch.Tensor | None] | None = None
 
-    def setup(self, run):
-        self.run = run
+    def setup(self, ctx):
         p = self.cfg
         self.dtype = DTYPES[p.dtype]
         self.dim = p.dim
@@ -42,18 +46,12 @@ class PointObjective(Objective):
         self.n_train = p.n
         self.x = self.initial_point().to(self.dtype).clone()
 
-    # -- subclasses -------------------------------------------------------------------------
+    # -- subclasses (and losses_at, grads_at) ----------------------------------------------------
 
     def build(self, g: torch.Generator) -> None:
         raise NotImplementedError
 
     def initial_point(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    def losses_at(self, points: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def grads_at(self, points: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def population_grad(self, points: torch.Tensor) -> torch.Tensor:
@@ -83,8 +81,7 @@ class PointObjective(Objective):
     def evaluate(self):
         x = self.x.detach()
         out = {"loss": self.population_loss(x), "grad_norm": float(self.population_grad(x[None]).norm())}
-        rule = getattr(getattr(self, "run", None), "update_rule", None)
-        points = rule.window_points() if callable(getattr(rule, "window_points", None)) else None
+        points = self.certificate_points() if self.certificate_points is not None else None
         if points is not None and len(points):
             out["certificate"] = self.certificate(points)
         return out

@@ -2,8 +2,8 @@
 
 The nonsmooth oracles query a per-example loss at many points near the current parameters
 (x ± δu for m directions per record). Objectives of this plugin answer such queries in one
-vectorised call (``losses_at``/``grads_at`` on flat points); any other objective with
-``functional_losses`` is queried through ``torch.func.vmap``.
+vectorised call (they are :class:`PointQueries`: ``losses_at``/``grads_at`` on flat points); any
+other objective with ``functional_losses`` is queried through ``torch.func.vmap``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def ball(g: torch.Generator, n: int, d: int, radius: float, dtype=torch.float64)
     return (radius * r.pow(1.0 / d).unsqueeze(1) * u).to(dtype)
 
 
-def step_generator(run, purpose: str, step: int, side: int) -> torch.Generator:
+def step_generator(ctx, purpose: str, step: int, side: int) -> torch.Generator:
     """Public randomness of one step's directions: a function of (seed, purpose, step, side) only.
 
     Directions are drawn slot after slot in a fixed order and in chunks that depend only on the
@@ -83,10 +83,10 @@ def step_generator(run, purpose: str, step: int, side: int) -> torch.Generator:
     neighbouring data sets see the same directions in every slot ("coupled randomness",
     spec 002 §2.2).
     """
-    return run.rng.generator(purpose, step, side)
+    return ctx.rng.generator(purpose, step, side)
 
 
-def secret_generator(run, purpose: str, step: int, side: int) -> torch.Generator:
+def secret_generator(ctx, purpose: str, step: int, side: int) -> torch.Generator:
     """A generator from the run's secret randomness, for draws a privacy bound rests on.
 
     Public generators are a function of the recipe's seed, which whoever chooses the data may know;
@@ -94,7 +94,24 @@ def secret_generator(run, purpose: str, step: int, side: int) -> torch.Generator
     cannot predict. Reproducible in the reproducible and keyed noise modes, fresh in secure mode;
     identical on every rank.
     """
-    return run.secret(purpose, step, side).generator()
+    return ctx.rng.secret(purpose, step, side).generator()
+
+
+class PointQueries:
+    """What an objective adds to answer the oracles' queries natively: per-example losses (and
+    gradients) at many flat points in one vectorised call, and the Lipschitz constant that makes the
+    paper's sensitivity bounds hold without clipping."""
+
+    #: every f(·; z) is L-Lipschitz with this L (None: unknown, only clipped modes are private)
+    lipschitz: float | None = None
+
+    def losses_at(self, points: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """f(points_k; record indices_k), [N] for points [N, d] and indices [N]."""
+        raise NotImplementedError
+
+    def grads_at(self, points: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The gradient of ``losses_at`` in the point, [N, d] (first-order oracles only)."""
+        raise NotImplementedError
 
 
 class PointQuery:
@@ -107,12 +124,12 @@ class PointQuery:
     def __init__(self, objective, view: FlatView):
         self.objective = objective
         self.view = view
-        self.native = callable(getattr(objective, "losses_at", None))
+        self.native = isinstance(objective, PointQueries)
 
     @staticmethod
     def check(objective, need_grad: bool = False) -> None:
-        if callable(getattr(objective, "losses_at", None)):
-            if need_grad and not callable(getattr(objective, "grads_at", None)):
+        if isinstance(objective, PointQueries):
+            if need_grad and type(objective).grads_at is PointQueries.grads_at:
                 raise UserError(f"objective {objective.name!r} has losses_at but no grads_at", key="objective")
             return
         if type(objective).functional_losses is Objective.functional_losses:

@@ -9,23 +9,27 @@ Sensitivity (replace-one, every history): a period's stream elements read disjoi
 differing record changes one element, by at most 2R/B where R is the estimator's public
 per-example bound (spec 001 §2.2, spec 002 §2.2). So every element has sensitivity
 s = max(2R_fresh/B1, 2R_vr(2D)/B2), and a period of the tree is one Gaussian mechanism of
-sensitivity s·sqrt(⌊log2 Σ⌋ + 1) (spec 001 §2.3–2.4, with the exact node count).
+sensitivity s·sqrt(⌊log2 Σ⌋ + 1) (spec 001 §2.3–2.4, with the exact node count). The bounds R
+are the estimator's :class:`~dpreg_nonsmooth.exchange.OracleBounds`; the batches, the period and
+its clock the algorithm's :class:`~dpreg_nonsmooth.exchange.O2NCSchedule`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from pydantic import Field
 
-from dpregistry import ClippedSum, Privatizer, Release, StageParams, UserError
+from dpregistry import Budget, ClippedSum, Privatizer, Release, StageParams, UserError
 from dpregistry.clipping import clip_weights
 from dpregistry.privacy.events import Gaussian, TreeAggregation
 from dpregistry.spaces import DENSE, GRADIENT, INCREMENT, DenseAggregate
 
 from .accounting import ConcentrationFailure
+from .exchange import O2NCSchedule, OracleBounds
 from .points import FlatView
 from .tree import TreeStack, nodes_per_record
 
@@ -40,62 +44,58 @@ class BoundedPrivatizer(Privatizer):
 
     accepts = frozenset({DENSE})
     Params = StreamParams
+    needs = (O2NCSchedule, OracleBounds)
 
-    def setup(self, run):
-        self.relation = run.relation
+    @property
+    def calibrates(self) -> bool:
+        return self.cfg.noise_multiplier == "auto"
+
+    def setup(self, ctx):
         z = self.cfg.noise_multiplier
-        self.needs_calibration = z == "auto"
-        self.noise_multiplier = None if self.needs_calibration else float(z)
-        self.view = FlatView(run.params)
-        self.settings = getattr(run.algorithm, "settings", None)
+        self.noise_multiplier = None if z == "auto" else float(z)
+        self.view = FlatView(ctx.params)
+        self.settings = ctx.need(O2NCSchedule)
+        self._sens: dict[str, float] | None = None
         self._info: dict = {}
 
-    def validate(self, run):
-        if self.settings is None:
-            raise UserError(f"privatizer {self.name!r} needs an O2NC algorithm (its period clock and batch "
-                            f"schedule set the sensitivity); got {run.algorithm.name!r}", key="privatizer")
-        if not callable(getattr(run.estimator, "public_bound", None)):
-            raise UserError(f"privatizer {self.name!r} needs an estimator with public per-example bounds "
-                            f"(zo_sphere, fo_ball, zo_sphere_grad); got {run.estimator.name!r}", key="estimator")
+    def validate(self, ctx):
         if self.noise_multiplier is not None and self.noise_multiplier < 0:
             raise UserError("noise_multiplier must be >= 0", key="privatizer.noise_multiplier")
-
-    def set_noise_multiplier(self, z: float) -> None:
-        self.noise_multiplier = float(z)
+        self._sens = self._sensitivities(ctx.need(OracleBounds))
 
     # -- sensitivities ---------------------------------------------------------------------------
 
-    def sensitivities(self, run) -> dict[str, float]:
+    def sensitivities(self) -> dict[str, float]:
         """Element sensitivities of the mean (2R/B, replace-one) and failure probabilities.
 
-        Constants of the run (public bounds at the worst gap 2D), so they are computed once."""
-        if getattr(self, "_sens", None) is None:
-            self._sens = self._sensitivities(run)
+        Constants of the run (public bounds at the worst gap 2D), computed once the estimator's
+        bounds exist (in ``validate``: every stage is set up by then)."""
+        if self._sens is None:
+            raise RuntimeError(f"privatizer {self.name!r}: the sensitivities are known once it is validated")
         return self._sens
 
-    def _sensitivities(self, run) -> dict[str, float]:
+    def _sensitivities(self, bounds: OracleBounds) -> dict[str, float]:
         # A high-probability bound must hold for the differing record of BOTH neighbouring data sets
         # (the directions are shared, every other slot cancels): conditioning on the directions,
         # P(bad) ≤ 2γ for the estimator's per-record γ, and the pair is (ε, δ + 2γ)-close.
         s = self.settings
-        est = run.estimator
-        r_f, g_f = est.public_bound(True, 0.0)
+        r_f, g_f = bounds.fresh
         out = {"fresh": 2 * r_f / s.batch_first, "gamma_fresh": 2 * g_f, "vr": 0.0, "gamma_vr": 0.0}
-        if s.period > 1 and est.contribution_kind == INCREMENT:
-            r_v, g_v = est.public_bound(False, est.max_gap)
+        if bounds.increment is not None:  # Σ > 1 and an increment oracle
+            r_v, g_v = bounds.increment
             out.update(vr=2 * r_v / s.batch_rest, gamma_vr=2 * g_v)
         return out
 
-    def stream_events(self, noise_multiplier: float, run, p: int) -> list:
+    def stream_events(self, noise_multiplier: float, ctx, p: int) -> list:
         """The events of the release at period position ``p`` (planning and release use the same).
         They may differ between a period's start (p = 1) and its other steps, not among those
         (the plan is computed in closed form from p = 1 and p = 2)."""
         raise NotImplementedError
 
-    def planned_events(self, noise_multiplier, run):
-        return self.stream_events(noise_multiplier, run, 1)
+    def planned_events(self, noise_multiplier, ctx):
+        return self.stream_events(noise_multiplier, ctx, 1)
 
-    def noise_second_moment(self, run) -> float:
+    def noise_second_moment(self) -> float:
         """max_p E‖noise of the release at p‖² (for the step size)."""
         raise NotImplementedError
 
@@ -120,16 +120,16 @@ class BoundedPrivatizer(Privatizer):
         return ClippedSum(agg, count=int(norms.numel()), clipped=int(over.sum()) if clip < math.inf else 0,
                           nonfinite=int((~finite).sum()), loss_sum=loss_sum, kind=contribution.kind)
 
-    def _mean(self, total, run) -> torch.Tensor:
+    def _mean(self, total, ctx) -> torch.Tensor:
         """The clipped sum as a flat mean [..., d]; leading axes (a stack of independent trials,
         as an audit releases them) are kept, and noise is drawn for every entry."""
         agg = total.aggregate.lift({n: None for n in self.view.names})
         first, shape = agg[self.view.names[0]], self.view.shapes[0]
         lead = first.shape[:first.dim() - len(shape)]
         return torch.cat([agg[n].reshape(*lead, -1) for n in self.view.names], -1).to(self.view.dtype) / \
-            run.sampler.expected_batch_size(run)
+            ctx.expected_batch_size()
 
-    def _release(self, flat: torch.Tensor, events, std: float, run) -> Release:
+    def _release(self, flat: torch.Tensor, events, std: float) -> Release:
         agg = DenseAggregate({n: t.clone() for n, t in self.view.unflatten(flat).items()})
         stats = {"noise_std": std, "bound": float(self._info.get("bound", 0.0)),
                  "bound_exceeded": float(self._info.get("exceeded", 0))}
@@ -153,13 +153,16 @@ class TreeAggregationPrivatizer(BoundedPrivatizer):
     name = "tree_aggregation"
     accepts_kinds = frozenset({INCREMENT})
     Params = TreeParams
+    needs = BoundedPrivatizer.needs + (Budget,)
+    #: the binary mechanism's O(log Σ) stack of node sums (its fields are the checkpointed state)
+    State = TreeStack
 
-    def setup(self, run):
-        super().setup(run)
-        self.stack = TreeStack()
+    @property
+    def calibrates(self) -> bool:
+        return super().calibrates and self.cfg.calibration != "klt_prop25"
 
-    def validate(self, run):
-        super().validate(run)
+    def validate(self, ctx):
+        super().validate(ctx)
         if not self.settings.single_pass:
             # with reused data a record is in every increment, and a node's sensitivity is the SUM
             # of its elements' (not the max): the tree analysis of spec 001 §2.3 does not apply
@@ -169,34 +172,33 @@ class TreeAggregationPrivatizer(BoundedPrivatizer):
             if self.cfg.noise_multiplier != "auto":
                 raise UserError("calibration: klt_prop25 sets the noise itself; leave noise_multiplier: auto",
                                 key="privatizer.calibration")
-            self.needs_calibration = False
-            self.noise_multiplier = self.prop25_multiplier(run)
+            self.noise_multiplier = self.prop25_multiplier(ctx.need(Budget))
 
-    def element_sensitivity(self, run) -> float:
-        s = self.sensitivities(run)
+    def element_sensitivity(self) -> float:
+        s = self.sensitivities()
         return max(s["fresh"], s["vr"])
 
     def nodes(self) -> int:
         return nodes_per_record(self.settings.period)  # ⌊log2 Σ⌋ + 1 (spec 001 §2.4 erratum)
 
-    def prop25_multiplier(self, run) -> float:
+    def prop25_multiplier(self, budget: Budget) -> float:
         """σ/s of KLT Prop. 2.5 with log2 for the depth and ln for δ ([AMBIG-6]); δ excludes δ_fail.
 
         The exact plan still has to fit the budget: at Σ = 1 (log2 Σ = 0) it gives σ = 0 and the
         run is refused, as it must be."""
-        b = run.budget
+        b = budget
         if b.epsilon is None or b.delta is None:
             raise UserError("calibration: klt_prop25 needs privacy.epsilon and privacy.delta", key="privacy")
-        s = self.sensitivities(run)
+        s = self.sensitivities()
         gamma = max(s["gamma_fresh"], s["gamma_vr"])
         if gamma >= b.delta:
             raise UserError(f"δ_fail = {gamma:g} leaves nothing of δ = {b.delta:g}", key="estimator.delta_fail")
         return 4 * math.sqrt(math.log2(self.settings.period) * math.log(1 / (b.delta - gamma))) / b.epsilon
 
-    def stream_events(self, noise_multiplier, run, p):
+    def stream_events(self, noise_multiplier, ctx, p):
         if p != 1:
             return []  # the whole period is charged at its first step
-        s = self.sensitivities(run)
+        s = self.sensitivities()
         sens = max(s["fresh"], s["vr"])
         events = [TreeAggregation(std=noise_multiplier * sens, sensitivity=sens, nodes_per_record=self.nodes())]
         gamma = max(s["gamma_fresh"], s["gamma_vr"])  # a record is used at one step of the period
@@ -204,31 +206,26 @@ class TreeAggregationPrivatizer(BoundedPrivatizer):
             events.append(ConcentrationFailure(gamma))
         return events
 
-    def noise_second_moment(self, run):
-        sigma = (self.noise_multiplier or 0.0) * self.element_sensitivity(run)
+    def noise_second_moment(self):
+        sigma = (self.noise_multiplier or 0.0) * self.element_sensitivity()
         return self.view.dim * sigma ** 2 * self.nodes()  # popcount(p) ≤ ⌊log2 Σ⌋ + 1
 
     def reset(self):
-        self.stack.reset()
+        self.state.reset()
 
-    def release(self, total, run, *, std=None):
-        _, p = run.algorithm.position(run.step)
-        if self.stack.t + 1 != p:  # the tree and the VR sum must restart on the same clock
-            raise RuntimeError(f"tree position {self.stack.t + 1} != period position {p}: a reset was missed")
-        sens = self.element_sensitivity(run)
+    def release(self, total, ctx, *, std=None):
+        _, p = self.settings.position(ctx.step)
+        stack = self.state
+        if stack.t + 1 != p:  # the tree and the VR sum must restart on the same clock
+            raise RuntimeError(f"tree position {stack.t + 1} != period position {p}: a reset was missed")
+        sens = self.element_sensitivity()
         z = self.noise_multiplier if std is None else std / sens  # the planned z, bit for bit
         std = z * sens
-        inc = self._mean(total, run)
-        source = run.noise()
-        out = self.stack.push(inc, lambda shape: source.randn(shape, dtype=inc.dtype, device=inc.device).mul_(std)
-                              if std > 0 else torch.zeros(shape, dtype=inc.dtype, device=inc.device))
-        return self._release(out, self.stream_events(z, run, p), std, run)
-
-    def state_dict(self):
-        return {"stack": self.stack.state_dict()}
-
-    def load_state_dict(self, state):
-        self.stack.load_state_dict(state.get("stack", {}))
+        inc = self._mean(total, ctx)
+        source = ctx.noise()
+        out = stack.push(inc, lambda shape: source.randn(shape, dtype=inc.dtype, device=inc.device).mul_(std)
+                         if std > 0 else torch.zeros(shape, dtype=inc.dtype, device=inc.device))
+        return self._release(out, self.stream_events(z, ctx, p), std)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,28 +245,28 @@ class IidPrefix(BoundedPrivatizer):
     accepts_kinds = frozenset({INCREMENT})
     Params = IidPrefixParams
 
-    def setup(self, run):
-        super().setup(run)
-        self.running: torch.Tensor | None = None
+    @dataclass
+    class State:
+        running: torch.Tensor | None = None  # g̃_(t−1), the noisy running sum (None at a period start)
 
     def _counts(self) -> tuple[int, int]:
         T, P = self.settings.total_steps, self.settings.period
         k1 = -(-T // P)
         return k1, T - k1
 
-    def stds(self, noise_multiplier: float, run) -> tuple[float, float]:
+    def stds(self, noise_multiplier: float) -> tuple[float, float]:
         """σ1 = z·s1·sqrt(K1/f), σ2 = z·s2·sqrt(K2/(1−f)): the run is then exactly 1/(2z²)-zCDP, and
         σ1 ∝ sqrt(T/Σ), σ2 ∝ sqrt(T) as in Thm. 4.1 (spec 002 §2.3)."""
-        s = self.sensitivities(run)
+        s = self.sensitivities()
         k1, k2 = self._counts()
         f = self.cfg.fresh_share if k2 else 1.0
         s1 = noise_multiplier * s["fresh"] * math.sqrt(k1 / f)
         s2 = noise_multiplier * s["vr"] * math.sqrt(k2 / (1 - f)) if k2 else 0.0
         return s1, s2
 
-    def stream_events(self, noise_multiplier, run, p):
-        s = self.sensitivities(run)
-        s1, s2 = self.stds(noise_multiplier, run)
+    def stream_events(self, noise_multiplier, ctx, p):
+        s = self.sensitivities()
+        s1, s2 = self.stds(noise_multiplier)
         if p == 1:
             events, gamma = [Gaussian(std=s1, sensitivity=s["fresh"])], s["gamma_fresh"]
         else:
@@ -278,30 +275,25 @@ class IidPrefix(BoundedPrivatizer):
             events.append(ConcentrationFailure(gamma))
         return events
 
-    def noise_second_moment(self, run):
-        s1, s2 = self.stds(self.noise_multiplier or 0.0, run)
+    def noise_second_moment(self):
+        s1, s2 = self.stds(self.noise_multiplier or 0.0)
         return self.view.dim * (s1 ** 2 + (self.settings.period - 1) * s2 ** 2)
 
     def reset(self):
-        self.running = None
+        self.state.running = None
 
-    def release(self, total, run, *, std=None):
-        _, p = run.algorithm.position(run.step)
-        if (p == 1) != (self.running is None):
+    def release(self, total, ctx, *, std=None):
+        _, p = self.settings.position(ctx.step)
+        running = self.state.running
+        if (p == 1) != (running is None):
             raise RuntimeError("iid_prefix: the running sum and the period clock disagree (a reset was missed)")
-        s1, s2 = self.stds(self.noise_multiplier, run)
+        s1, s2 = self.stds(self.noise_multiplier)
         sigma = (s1 if p == 1 else s2) if std is None else std
-        inc = self._mean(total, run)
-        noise = run.noise().randn(inc.shape, dtype=inc.dtype, device=inc.device).mul_(sigma) if sigma > 0 else 0.0
-        self.running = (inc if self.running is None else self.running + inc) + noise  # builds on the NOISY sum
-        return self._release(self.running, self.stream_events(self.noise_multiplier, run, p), sigma, run)
-
-    def state_dict(self):
-        return {} if self.running is None else {"running": self.running}
-
-    def load_state_dict(self, state):
-        r = state.get("running")
-        self.running = None if r is None else r.clone()
+        inc = self._mean(total, ctx)
+        noise = ctx.noise().randn(inc.shape, dtype=inc.dtype, device=inc.device).mul_(sigma) if sigma > 0 else 0.0
+        running = (inc if running is None else running + inc) + noise  # builds on the NOISY sum
+        self.state.running = running
+        return self._release(running, self.stream_events(self.noise_multiplier, ctx, p), sigma)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -315,36 +307,36 @@ class BoundedGaussian(BoundedPrivatizer):
     name = "bounded_gaussian"
     accepts_kinds = frozenset({GRADIENT})
 
-    def step_sensitivity(self, run) -> float:
+    def step_sensitivity(self) -> float:
         """2R/B at the smallest batch of the schedule: every step releases a fresh mean, and under a
         driver with B1 > B2 (ZTC's tree schedule, KLT's) the steps at p > 1 average only B2 records."""
         s = self.settings
-        return self.sensitivities(run)["fresh"] * s.batch_first / min(s.batch_first, s.batch_rest)
+        return self.sensitivities()["fresh"] * s.batch_first / min(s.batch_first, s.batch_rest)
 
-    def stream_events(self, noise_multiplier, run, p):
+    def stream_events(self, noise_multiplier, ctx, p):
         # Single pass: the steps of a period read disjoint batches, so a record meets one of them and
         # the period costs one release (adaptive parallel composition, ZTC Lemma C.1); charged at p = 1.
         if self.settings.single_pass and p != 1:
             return []
-        s = self.sensitivities(run)
-        sens = self.step_sensitivity(run)
+        s = self.sensitivities()
+        sens = self.step_sensitivity()
         events = [Gaussian(std=noise_multiplier * sens, sensitivity=sens)]
         if s["gamma_fresh"] > 0:
             events.append(ConcentrationFailure(s["gamma_fresh"]))
         return events
 
-    def noise_second_moment(self, run):
-        return self.view.dim * ((self.noise_multiplier or 0.0) * self.step_sensitivity(run)) ** 2
+    def noise_second_moment(self):
+        return self.view.dim * ((self.noise_multiplier or 0.0) * self.step_sensitivity()) ** 2
 
-    def release(self, total, run, *, std=None):
-        sens = self.step_sensitivity(run)
+    def release(self, total, ctx, *, std=None):
+        sens = self.step_sensitivity()
         z = self.noise_multiplier if std is None else std / sens
         std = z * sens
-        g = self._mean(total, run)
+        g = self._mean(total, ctx)
         if std > 0:
-            g = g + run.noise().randn(g.shape, dtype=g.dtype, device=g.device).mul_(std)
-        _, p = run.algorithm.position(run.step)
-        return self._release(g, self.stream_events(z, run, p), std, run)
+            g = g + ctx.noise().randn(g.shape, dtype=g.dtype, device=g.device).mul_(std)
+        _, p = self.settings.position(ctx.step)
+        return self._release(g, self.stream_events(z, ctx, p), std)
 
 
 PRIVATIZERS = (TreeAggregationPrivatizer, IidPrefix, BoundedGaussian)

@@ -4,11 +4,13 @@ Spec 001 §1.4 / spec 002 §1.4: a public permutation of the records is cut into
 batches, B1 records at the first step of every period and B2 at the others; no record is ever
 read twice. Each period's batches are disjoint from every other period's, so a period's charges
 go into the period's own partition and the accountant composes periods in parallel (spec 001
-§2.6, spec 002 §2.4). There is no sampling amplification.
+§2.6, spec 002 §2.4). There is no sampling amplification. The period clock and the resolved
+batch sizes are the O2NC algorithm's (:class:`~dpreg_nonsmooth.exchange.O2NCSchedule`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -16,7 +18,13 @@ from pydantic import Field
 
 from dpregistry import Charge, Sampler, StageParams, UserError
 
-from .algorithm import consumption
+from .exchange import O2NCSchedule
+
+
+def consumption(steps: int, period: int, b1: int, b2: int) -> int:
+    """Records a single pass of ``steps`` steps reads: B1⌈T/Σ⌉ + B2(T − ⌈T/Σ⌉) (spec 002 §7.12)."""
+    starts = -(-steps // period)
+    return b1 * starts + b2 * (steps - starts)
 
 
 def _count_below(steps: range, x: int) -> int:
@@ -35,20 +43,27 @@ class SinglePass(Sampler):
 
     name = "single_pass"
     Params = SinglePassParams
+    needs = (O2NCSchedule,)
 
-    def setup(self, run):
-        self.n = run.n_train
-        self.consumed = 0  # high-water mark: records [0, consumed) of the order are spent
+    @dataclass
+    class State:
+        consumed: int = 0  # high-water mark: records [0, consumed) of the order are spent
+
+    def batch_sizes(self, b1_auto: int, b2_auto: int) -> tuple[int, int]:
+        """(B1, B2): the recipe's, or the algorithm's theorem values where it says auto."""
+        b1, b2 = self.cfg.batch_first, self.cfg.batch_rest
+        return (b1_auto if b1 == "auto" else int(b1)), (b2_auto if b2 == "auto" else int(b2))
+
+    def setup(self, ctx):
+        self.n = ctx.n_train
+        self.schedule = ctx.need(O2NCSchedule)
         if self.cfg.order == "shuffled":
-            self.order = torch.randperm(self.n, generator=run.rng.generator("single_pass_order", 0))
+            self.order = torch.randperm(self.n, generator=ctx.rng.generator("single_pass_order", 0))
         else:
             self.order = torch.arange(self.n)
 
-    def validate(self, run):
-        s = getattr(run.algorithm, "settings", None)
-        if s is None or not hasattr(run.algorithm, "position"):
-            raise UserError("sampler single_pass follows an O2NC algorithm's period clock; "
-                            f"algorithm {run.algorithm.name!r} has none", key="sampler")
+    def validate(self, ctx):
+        s = self.schedule
         for key, v in (("batch_first", s.batch_first), ("batch_rest", s.batch_rest)):
             if v < 1:
                 raise UserError(f"{key} must be at least 1, got {v}", key=f"sampler.{key}")
@@ -57,47 +72,42 @@ class SinglePass(Sampler):
             raise UserError(f"{s.total_steps} single-pass steps need {need} records, the data has {self.n}",
                             key="train.steps")
 
-    def _schedule(self, step, run):
-        s = run.algorithm.settings
-        k, p = run.algorithm.position(step)
+    def _schedule(self, step):
+        s = self.schedule
+        k, p = s.position(step)
         per = s.batch_first + (s.period - 1) * s.batch_rest
         offset = k * per + (0 if p == 1 else s.batch_first + (p - 2) * s.batch_rest)
         size = s.batch_first if p == 1 else s.batch_rest
         return k, offset, size
 
-    def indices(self, step, run):
-        _, offset, size = self._schedule(step, run)
-        if offset < self.consumed:
-            raise RuntimeError(f"single_pass: step {step} would reuse records {offset}..{self.consumed - 1}")
+    def indices(self, ctx):
+        step = ctx.step
+        _, offset, size = self._schedule(step)
+        if offset < self.state.consumed:
+            raise RuntimeError(f"single_pass: step {step} would reuse records {offset}..{self.state.consumed - 1}")
         if offset + size > self.n:
             raise RuntimeError(f"single_pass: step {step} needs records up to {offset + size}, the data has {self.n}")
-        self.consumed = offset + size
+        self.state.consumed = offset + size
         return self.order[offset:offset + size]
 
-    def expected_batch_size(self, run):
-        return float(self._schedule(run.step, run)[2])
+    def expected_batch_size(self, ctx):
+        return float(self._schedule(ctx.step)[2])
 
-    def account(self, step, events, run):
-        k, _, _ = self._schedule(step, run)
+    def account(self, step, events, ctx):
+        k, _, _ = self._schedule(step)
         return [Charge(e, partition=f"period{k}") for e in events]
 
-    def account_steps(self, steps, events, run):
+    def account_steps(self, steps, events, ctx):
         """Per period: the steps of ``steps`` in it, charged to its partition. A single pass takes
         at most one step per record, so there are at most n periods to visit."""
         if not steps or not events:
             return []
-        P = run.algorithm.settings.period
+        P = self.schedule.period
         out = []
         for k in range(steps[0] // P, steps[-1] // P + 1):
             n = _count_below(steps, (k + 1) * P) - _count_below(steps, k * P)
             out += [Charge(e, partition=f"period{k}", count=n) for e in events] if n else []
         return out
-
-    def state_dict(self):
-        return {"consumed": self.consumed}
-
-    def load_state_dict(self, state):
-        self.consumed = int(state.get("consumed", 0))
 
 
 SAMPLERS = (SinglePass,)

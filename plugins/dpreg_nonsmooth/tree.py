@@ -14,14 +14,22 @@ Errata this module corrects (each has a regression test):
   (spec 002 [AMBIG-3]);
 * the node set: KLT's printed 𝒯 stops at width Σ/2 and cannot cover [1, Σ]; the complete tree
   with its root can (spec 002 [AMBIG-4]).
+
+What accounting needs of the tree, the nodes a record lies in, is dpregistry's
+(:func:`dpregistry.privacy.events.tree_nodes_per_record`, used by the ``TreeAggregation`` event);
+the rest is the mechanism's own arithmetic, public for the paper plugins (see the package's
+``__all__``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from dpregistry.privacy.events import tree_nodes_per_record
 
 
 def lowbit(b: int) -> int:
@@ -50,14 +58,9 @@ def released_nodes(T: int) -> set[tuple[int, int]]:
     return {(b - lowbit(b) + 1, b) for b in range(1, T + 1)}
 
 
-def nodes_per_record(T: int) -> int:
-    """Exact worst-case number of released nodes containing one leaf: ⌊log2 T⌋ + 1.
-
-    Spec 001 §2.4 [ERRATUM]: the paper's 2·ln T is smaller at T ∈ {1, 2, 4}.
-    """
-    if T < 1:
-        raise ValueError(f"a period has at least one step, got {T}")
-    return T.bit_length()
+#: exact worst-case number of released nodes containing one leaf: ⌊log2 T⌋ + 1 (spec 001 §2.4
+#: [ERRATUM]: the paper's 2·ln T is smaller at T ∈ {1, 2, 4})
+nodes_per_record = tree_nodes_per_record
 
 
 def max_nodes_per_leaf(T: int) -> int:
@@ -109,22 +112,23 @@ def klt_paper_node_set(p: int, sigma: int) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass
 class TreeStack:
     """O(log T) state of the binary mechanism (spec 001 §1.5, "equivalent O(d log T) form").
 
     Each entry is (length, raw block sum, raw + its node's noise). ``push`` merges the blocks
     that the new step completes, draws ONE fresh Gaussian for the new node, and returns
     Σ_stack noisy = Σ_{i≤t} inc_i + Σ_{NODE(t)} ξ_b. At most ⌊log2 T⌋ + 1 entries are live.
+    Its fields are plain values, so it is the tree privatizer's checkpointed ``State`` as it is.
     """
 
-    def __init__(self):
-        self.t = 0
-        self.lengths: list[int] = []
-        self.raw: list[torch.Tensor] = []
-        self.noisy: list[torch.Tensor] = []
+    t: int = 0
+    lengths: list[int] = field(default_factory=list)
+    raw: list[torch.Tensor] = field(default_factory=list)
+    noisy: list[torch.Tensor] = field(default_factory=list)
 
     def reset(self) -> None:
-        self.__init__()
+        self.t, self.lengths, self.raw, self.noisy = 0, [], [], []
 
     def push(self, inc: torch.Tensor, noise: Callable[[torch.Size], torch.Tensor]) -> torch.Tensor:
         """Add increment ``inc``; ``noise(shape)`` returns the new node's Gaussian (std applied)."""
@@ -151,18 +155,3 @@ class TreeStack:
         for v in self.raw[1:]:
             out.add_(v)
         return out
-
-    def state_dict(self) -> dict:
-        out = {"t": self.t, "lengths": list(self.lengths)}
-        if self.raw:
-            out["raw"] = torch.stack(self.raw)
-            out["noisy"] = torch.stack(self.noisy)
-        return out
-
-    def load_state_dict(self, state: dict) -> None:
-        self.t = int(state.get("t", 0))
-        self.lengths = [int(v) for v in state.get("lengths", [])]
-        self.raw = list(state["raw"].unbind(0)) if "raw" in state else []
-        self.noisy = list(state["noisy"].unbind(0)) if "noisy" in state else []
-        self.raw = [v.clone() for v in self.raw]
-        self.noisy = [v.clone() for v in self.noisy]

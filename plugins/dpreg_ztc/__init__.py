@@ -2,6 +2,9 @@
 
 Algorithms ``ztc_o2nc_tree`` (Theorem 4.9) and ``ztc_naive`` (App. E), built on the shared
 stages of ``dpreg_nonsmooth``; closed forms (T rule, σ calibration, ρ_eff report) in ``.theory``.
+
+Depends on dpregistry and on ``dpreg_nonsmooth``'s public library API (its ``__all__``: the O2NC
+algorithm base, the O2NC schedule and the tree's node arithmetic), and on nothing else of it.
 """
 
 from dpregistry import StagePlugin

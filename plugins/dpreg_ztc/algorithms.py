@@ -7,10 +7,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from dpregistry import StageParams, UserError
+from dpregistry import Budget, StageParams, UserError
 from dpregistry.privacy.conversions import epsilon_to_zcdp
 
-from dpreg_nonsmooth.algorithm import O2NCAlgorithm, Settings, cfg, is_auto
+from dpreg_nonsmooth import O2NCAlgorithm, O2NCSchedule, is_auto
 
 from .theory import naive_T, theory_T
 
@@ -24,11 +24,15 @@ def ztc_rho(budget) -> float:
     return math.inf
 
 
-def _restart(update, default: int | None) -> int | None:
-    v = cfg(update, "restart_every", "auto")
-    if is_auto(v):
-        return default
-    return None if v == "never" else int(v)
+def _learner(alg: O2NCAlgorithm, T: int, delta: float) -> tuple[float, int, int | None]:
+    """(D, window, restarts) of the o2nc update rule: the recipe's, or Theorem 4.9's D = δ/T and an
+    averaging window and a restart every episode."""
+    upd = alg.learner().cfg
+    D = delta / T if is_auto(upd.radius) else float(upd.radius)
+    M = T if is_auto(upd.window) else int(upd.window)
+    v = upd.restart_every
+    restart = T if is_auto(v) else None if v == "never" else int(v)
+    return D, M, restart
 
 
 class ZTCParams(StageParams):
@@ -52,20 +56,19 @@ class ZTCTree(O2NCAlgorithm):
         "accountant": {"name": "zcdp"},
     }
 
-    def resolve(self, run) -> Settings:
-        d, n = self.view.dim, run.n_train
-        delta, L = self.smoothing(run)
+    def resolve(self, ctx) -> O2NCSchedule:
+        d, n = self.view.dim, ctx.n_train
+        oracle, budget = self.smoothing(ctx), ctx.need(Budget)
+        delta, L = oracle.radius, oracle.lipschitz
         T = self.cfg.episode_len
         if is_auto(T):
-            T = theory_T(d, L, delta, n, self.cfg.init_gap, ztc_rho(run.budget), self.cfg.t_rule)
-        b1, b2, single = self.batches(run, T + 1, 1)
-        upd = run.update_rule
-        D = delta / T if is_auto(cfg(upd, "radius", "auto")) else float(cfg(upd, "radius"))
-        M = T if is_auto(cfg(upd, "window", "auto")) else int(cfg(upd, "window"))
-        return Settings(dim=d, n=n, period=T, batch_first=b1, batch_rest=b2, radius=D, window=M,
-                        restart_every=_restart(upd, T), total_steps=self.steps_for(run, T, b1, b2, single),
-                        single_pass=single, smooth_radius=delta, lipschitz=L,
-                        extra={"rho_paper": ztc_rho(run.budget)})
+            T = theory_T(d, L, delta, n, self.cfg.init_gap, ztc_rho(budget), self.cfg.t_rule)
+        b1, b2, single = self.batches(ctx, T + 1, 1)
+        D, M, restart = _learner(self, T, delta)
+        return O2NCSchedule(dim=d, n=n, period=T, batch_first=b1, batch_rest=b2, radius=D, window=M,
+                            restart_every=restart, total_steps=self.steps_for(ctx, T, b1, b2, single),
+                            single_pass=single, smooth_radius=delta, lipschitz=L,
+                            extra={"rho_paper": ztc_rho(budget)})
 
 
 class ZTCNaiveParams(ZTCParams):
@@ -86,23 +89,22 @@ class ZTCNaive(O2NCAlgorithm):
         "accountant": {"name": "zcdp"},
     }
 
-    def resolve(self, run) -> Settings:
-        d, n = self.view.dim, run.n_train
-        delta, L = self.smoothing(run)
+    def resolve(self, ctx) -> O2NCSchedule:
+        d, n = self.view.dim, ctx.n_train
+        oracle, budget = self.smoothing(ctx), ctx.need(Budget)
+        delta, L = oracle.radius, oracle.lipschitz
         B = self.cfg.batch_size
         T = self.cfg.episode_len
         if is_auto(T):
-            T = naive_T(d, L, delta, n, self.cfg.init_gap, ztc_rho(run.budget), B)
-        b1, b2, single = self.batches(run, B, B)
+            T = naive_T(d, L, delta, n, self.cfg.init_gap, ztc_rho(budget), B)
+        b1, b2, single = self.batches(ctx, B, B)
         if single and b1 != b2:
             raise UserError("the naive oracle reads the same batch size at every step", key="sampler.batch_first")
-        upd = run.update_rule
-        D = delta / T if is_auto(cfg(upd, "radius", "auto")) else float(cfg(upd, "radius"))
-        M = T if is_auto(cfg(upd, "window", "auto")) else int(cfg(upd, "window"))
+        D, M, restart = _learner(self, T, delta)
         # period = episode: its T disjoint batches form one partition, charged once (parallel composition)
-        return Settings(dim=d, n=n, period=T, batch_first=b1, batch_rest=b2, radius=D, window=M,
-                        restart_every=_restart(upd, T), total_steps=self.steps_for(run, T, b1, b2, single),
-                        single_pass=single, smooth_radius=delta, lipschitz=L, extra={"rho_paper": ztc_rho(run.budget)})
+        return O2NCSchedule(dim=d, n=n, period=T, batch_first=b1, batch_rest=b2, radius=D, window=M,
+                            restart_every=restart, total_steps=self.steps_for(ctx, T, b1, b2, single),
+                            single_pass=single, smooth_radius=delta, lipschitz=L, extra={"rho_paper": ztc_rho(budget)})
 
 
 ALGORITHMS = (ZTCTree, ZTCNaive)

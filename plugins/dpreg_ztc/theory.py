@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 
-from dpreg_nonsmooth.tree import node_set, nodes_per_record, paper_node_bound
+from dpregistry.privacy.events import tree_nodes_per_record as nodes_per_record
+
+from dpreg_nonsmooth import node_set, paper_node_bound
 
 
 def theory_T(dim: int, lipschitz: float, smooth_radius: float, n: int, init_gap: float, rho: float,
