@@ -60,17 +60,13 @@ def build(method: str, d: int, n: int, seed: int, eps: float, delta: float, alph
     if method in ("klt_zo", "klt_fo"):
         data["estimator"]["dirs_per_sample"] = "theory"
         data["estimator"]["delta_fail"] = "auto"
-        data["algorithm"]["max_dirs"] = 10 ** 12  # only to read the theorem's m
-        probe_run = Run(resolve(data, {}, reg))
-        probe_run.objective.setup(probe_run)
-        probe_run.params = probe_run.objective.params()
-        probe_run.algorithm.setup(probe_run)
-        m_theory = probe_run.algorithm.settings.dirs
+        data["algorithm"]["max_dirs"] = 10 ** 12  # only to read the theorem's m (a bound in closed form)
+        m_theory = Run(resolve(data, {}, reg)).prepare().algorithm.settings.dirs
         info["m_theory"] = m_theory
         data["estimator"]["dirs_per_sample"] = min(m_theory, max_dirs)
         del data["algorithm"]["max_dirs"]
     run = Run(resolve(data, {}, reg)).prepare()
-    info["m"] = getattr(run.estimator, "m", None)
+    info["m"] = run.estimator.m
     return run, info
 
 
@@ -84,8 +80,8 @@ def measure(run: Run) -> dict:
     s = run.algorithm.settings
     return {"expected_certificate": sum(certs) / K, "last_certificate": certs[-1], "windows": K,
             "steps": run.step, "period": s.period, "radius": s.radius, "window": W,
-            "sigma": run.privatizer.noise_multiplier * max(run.privatizer.sensitivities(run)["fresh"],
-                                                            run.privatizer.sensitivities(run)["vr"]),
+            "sigma": run.privatizer.noise_multiplier * max(run.privatizer.sensitivities()["fresh"],
+                                                            run.privatizer.sensitivities()["vr"]),
             "epsilon": summary["epsilon"], "seconds": time.time() - t0}
 
 

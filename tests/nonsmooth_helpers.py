@@ -7,6 +7,7 @@ import copy
 import torch
 
 from conftest import make_run
+from dpreg_nonsmooth.points import PointQueries
 
 
 def recipe(algorithm="ztc_o2nc_tree", objective=None, **sections):
@@ -35,13 +36,13 @@ def per_example(run, x, indices, prev=None, step=0, query=None):
         est.query = query
     run.step = step
     est.view.write_(run.params, x)
-    est.prev = None if prev is None else prev.clone().to(est.view.dtype)
-    (c,) = list(est.contributions(run.objective, torch.as_tensor(indices), run))
+    est.state.prev = None if prev is None else prev.clone().to(est.view.dtype)
+    (c,) = list(est.contributions(run.objective, torch.as_tensor(indices), run.begin_step()))
     flat = torch.cat([c.per_example[n].reshape(len(indices), -1) for n in est.view.names], 1)
     return flat, c
 
 
-class Stub:
+class Stub(PointQueries):
     """A point objective given by a loss f(points, data) and its gradient, data per record."""
 
     def __init__(self, f, grad=None, data=None):

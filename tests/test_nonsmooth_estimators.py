@@ -126,7 +126,7 @@ def test_replace_one_sensitivity_and_tightness(tmp_path):
     g2, _ = per_example(run, x, nb, query=q)
     diff = float((g.mean(0) - g2.mean(0)).norm())
     assert diff == pytest.approx(2 * 1 * L / b, rel=1e-12)
-    assert run.privatizer.sensitivities(run)["fresh"] == pytest.approx(2 * 1 * L / run.algorithm.settings.batch_first)
+    assert run.privatizer.sensitivities()["fresh"] == pytest.approx(2 * 1 * L / run.algorithm.settings.batch_first)
 
 
 def test_tree_sensitivity_matches_closed_form_and_ignores_m(tmp_path):
@@ -136,7 +136,7 @@ def test_tree_sensitivity_matches_closed_form_and_ignores_m(tmp_path):
         run = host(tmp_path, dim=5, algorithm={"name": "ztc_o2nc_tree", "episode_len": 20},
                    estimator={"dirs_per_sample": m, "smooth_radius": 0.1}, update={"radius": "auto", "window": "auto"})
         s = run.algorithm.settings
-        sens.append(run.privatizer.element_sensitivity(run))
+        sens.append(run.privatizer.element_sensitivity())
         assert sens[-1] == pytest.approx(ztc.element_sensitivity(5, 1.0, 0.1, s.radius, s.batch_first, s.batch_rest))
         assert (s.batch_first, s.batch_rest, s.radius) == (21, 1, pytest.approx(0.1 / 20))
     assert sens[0] == sens[1] == sens[2]

@@ -18,12 +18,11 @@ def _drive(run):
     """Run every step by hand; record (x_t, Δ_t, w_t) before each step."""
     upd, view = run.update_rule, run.update_rule.view
     rows = []
-    while not run.algorithm.done(run):
-        rows.append((upd.x.clone(), upd.delta.clone(), view.flat(run.params)))
-        run._noise_calls = 0
+    while not run.algorithm.done(run.begin_step()):
+        rows.append((upd.state.x.clone(), upd.state.delta.clone(), view.flat(run.params)))
         run.algorithm.step(run)
         run.step += 1
-    rows.append((upd.x.clone(), upd.delta.clone(), view.flat(run.params)))
+    rows.append((upd.state.x.clone(), upd.state.delta.clone(), view.flat(run.params)))
     return rows
 
 
@@ -63,7 +62,7 @@ def test_klt_never_restarts_and_windows_are_independent_of_periods(tmp_path):
                           privatizer={"noise_multiplier": 0.0}, update={"lr": 5.0, "radius": 0.02, "window": 5},
                           train={"steps": 60, "log_every": 1000}), tmp_path)
     upd = run.update_rule
-    x0 = upd.x.clone()
+    x0 = upd.state.x.clone()
     rows = _drive(run)
     assert torch.equal(rows[0][2], x0)
     starts = [t for t in range(1, 60) if t % 4 == 0]
@@ -72,9 +71,9 @@ def test_klt_never_restarts_and_windows_are_independent_of_periods(tmp_path):
     for k in range(60 // 5):
         win = ws[k * 5:(k + 1) * 5]
         assert float((win - win.mean(0)).norm(dim=1).max()) <= 5 * 0.02 * (1 + 1e-9)
-    out = run.update_rule.output(run.params, run)["x"]
+    out = run.update_rule.output(run.params, run.ctx)["x"]
     assert float((out - x0).norm()) <= 0.02 * 60
-    k = run.update_rule.selected
+    k = run.update_rule.state.selected
     assert torch.allclose(out, ws[k * 5:(k + 1) * 5].mean(0))
 
 
@@ -85,8 +84,8 @@ def _feed(run, grad_fn, steps):
     for t in range(steps):
         run.step = t
         w = view.flat(run.params)
-        xs.append((upd.x.clone(), w))
-        upd.apply(run.params, Release(DenseAggregate({"x": grad_fn(w)}), []), run)
+        xs.append((upd.state.x.clone(), w))
+        upd.apply(run.params, Release(DenseAggregate({"x": grad_fn(w)}), []), run.begin_step())
     return xs
 
 
@@ -100,7 +99,7 @@ def test_linear_objective_learner_saturates_and_descends(tmp_path):
                update={"radius": D, "lr": eta, "window": 1, "restart_every": "never"})
     xs = _feed(run, lambda w: c, 40)
     k = math.ceil(D / (eta * float(c.norm())))
-    assert torch.allclose(run.update_rule.delta, -D * c / c.norm(), atol=1e-12)
+    assert torch.allclose(run.update_rule.state.delta, -D * c / c.norm(), atol=1e-12)
     drops = [float(c @ (xs[t + 1][0] - xs[t][0])) for t in range(k + 1, 39)]
     assert drops == pytest.approx([-D * float(c.norm())] * len(drops), rel=1e-9)
 

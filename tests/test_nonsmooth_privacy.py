@@ -28,9 +28,9 @@ def _collect(run):
     seen = []
     idx_fn, clip_fn = run.sampler.indices, run.privatizer.clip_sum
 
-    def indices(step, r):
-        out = idx_fn(step, r)
-        seen.append([out.tolist(), r.algorithm.position(step)[1], None])
+    def indices(ctx):
+        out = idx_fn(ctx)
+        seen.append([out.tolist(), run.algorithm.position(ctx.step)[1], None])
         return out
 
     def clip_sum(c):
@@ -53,7 +53,7 @@ def test_single_pass_uses_every_record_at_most_once(tmp_path):
     assert run.step == 100 and all((p == 1) == fresh for _, p, fresh in seen)
     assert all(len(ids) == (5 if p == 1 else 1) for ids, p, _ in seen)
     with pytest.raises(RuntimeError, match="reuse"):
-        run.sampler.indices(3, run)
+        run.sampler.indices(run.context(3))
 
     klt = make_run(recipe({"name": "klt_sp_zo", "vr_period": 5}, {"name": "l1_distance", "dim": 2, "n": 300},
                           estimator={"dirs_per_sample": 2, "delta_fail": 0.0}, privatizer={"noise_multiplier": 0.0},
@@ -79,7 +79,7 @@ def test_ztc_calibration_and_parallel_composition(tmp_path):
                           estimator={"smooth_radius": delta}, privacy={"rho": rho_paper ** 2 / 2, "delta": 1e-5}),
                    tmp_path)
     s = run.algorithm.settings
-    sigma = run.privatizer.noise_multiplier * run.privatizer.element_sensitivity(run)
+    sigma = run.privatizer.noise_multiplier * run.privatizer.element_sensitivity()
     want = ztc.calibrate(rho_paper, T, d, 1.0, delta, s.radius, s.batch_first, s.batch_rest)
     assert want == pytest.approx(4 * d * 1.0 / T * math.sqrt(4) / rho_paper)  # B1 = T+1, D = δ/T
     assert sigma == pytest.approx(want, rel=2e-4) and sigma >= want * (1 - 1e-12)
@@ -140,11 +140,12 @@ def _noise_only(run, steps):
     """Release zero increments; return each step's released vector (per-coordinate noise samples)."""
     out = []
     for t in range(steps):
-        run.step, run._noise_calls = t, 0
+        run.step = t
+        ctx = run.begin_step()
         if run.algorithm.position(t)[1] == 1:
             run.privatizer.reset()
         zero = DenseAggregate({"x": torch.zeros(run.algorithm.settings.dim, dtype=torch.float64)})
-        out.append(run.privatizer.release(ClippedSum(zero, count=1), run).value.tensors["x"].clone())
+        out.append(run.privatizer.release(ClippedSum(zero, count=1), ctx).value.tensors["x"].clone())
     return out
 
 
@@ -154,7 +155,7 @@ def test_noise_only_variances_tree_and_iid_prefix(tmp_path):
     d = 20_000
     tree = make_run(recipe({"name": "ztc_o2nc_tree", "episode_len": 6}, {"name": "l1_distance", "dim": d, "n": 40},
                            estimator={"dirs_per_sample": 1}, privatizer={"noise_multiplier": 1.0}), tmp_path)
-    sigma = tree.privatizer.element_sensitivity(tree)
+    sigma = tree.privatizer.element_sensitivity()
     for t, v in enumerate(_noise_only(tree, 12)):
         p = t % 6 + 1
         assert float(v.var()) == pytest.approx(sigma ** 2 * len(node_set(p)), rel=0.05)
@@ -162,14 +163,14 @@ def test_noise_only_variances_tree_and_iid_prefix(tmp_path):
                  {"name": "l1_distance", "dim": d, "n": 30}, estimator={"dirs_per_sample": 1},
                  privatizer={"noise_multiplier": 1.0}, train={"steps": 8})
     mp = make_run(erm, tmp_path)
-    s1, s2 = mp.privatizer.stds(1.0, mp)
+    s1, s2 = mp.privatizer.stds(1.0)
     assert s1 > 0 and s2 > 0
     for t, v in enumerate(_noise_only(mp, 8)):
         p = t % 4 + 1
         assert float(v.var()) == pytest.approx(s1 ** 2 + (p - 1) * s2 ** 2, rel=0.05)
     erm["train"]["steps"] = 16
     mp2 = make_run(erm, tmp_path)
-    t1, t2 = mp2.privatizer.stds(1.0, mp2)
+    t1, t2 = mp2.privatizer.stds(1.0)
     assert (t1 / s1, t2 / s2) == (pytest.approx(math.sqrt(2)), pytest.approx(math.sqrt(2)))
 
 
@@ -225,7 +226,7 @@ def test_prop25_calibration_fits_the_exact_accounting(tmp_path):
                  privacy={"epsilon": 1.0, "delta": 1e-5}, train={"steps": 64})
     run = make_run(rec, tmp_path)
     assert run.privatizer.noise_multiplier == pytest.approx(27.14, abs=0.01)  # spec 002 §7.13 at s = 1
-    plan = run.algorithm.plan(run, run.privatizer.noise_multiplier)
+    plan = run.algorithm.plan(run.context(), run.privatizer.noise_multiplier)
     assert run.accountant.fits(plan) and run.accountant.epsilon(extra=plan) < 1.0
     rec["algorithm"]["vr_period"] = 1
     with pytest.raises(UserError, match="budget"):
@@ -239,7 +240,7 @@ def test_multi_pass_first_order_preset_composes_every_step(tmp_path):
                           {"name": "ring", "dim": 3, "n": 50, "noise": "linear"},
                           estimator={"smooth_radius": 0.1, "lipschitz": 1.3},
                           privacy={"epsilon": 3.0, "delta": 1e-4}, train={"steps": 8}), tmp_path)
-    assert run.privatizer.sensitivities(run)["fresh"] == pytest.approx(2 * 1.3 / 50)
+    assert run.privatizer.sensitivities()["fresh"] == pytest.approx(2 * 1.3 / 50)
     run.train()
     entries = run.accountant.ledger.entries
     assert sum(e["count"] for e in entries) == 8 and all(e["partition"] is None for e in entries)

@@ -44,7 +44,7 @@ def test_naive_sigma_is_calibrated_to_the_replace_one_sensitivity(tmp_path):
     run = make_run(recipe({"name": "ztc_naive", "episode_len": 10, "batch_size": B},
                           {"name": "l1_distance", "dim": d, "n": 4000}, estimator={"smooth_radius": 0.1},
                           privacy={"rho": rho ** 2 / 2, "delta": 1e-6}), tmp_path)
-    sigma = run.privatizer.noise_multiplier * run.privatizer.sensitivities(run)["fresh"]
+    sigma = run.privatizer.noise_multiplier * run.privatizer.sensitivities()["fresh"]
     assert sigma == pytest.approx(ztc.naive_sigma(d, L, B, rho), rel=2e-4)
     printed = ztc.naive_sigma(d, L, B, rho, printed=True)
     assert (2 * d * L / B) ** 2 / (2 * printed ** 2) == pytest.approx(4 * rho ** 2 / 2)
