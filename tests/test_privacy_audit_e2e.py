@@ -128,8 +128,8 @@ class TreeSensitivityC(TreeAggregationPrivatizer):
 
     name = "audit_tree_sensitivity_c"
 
-    def sensitivities(self, run):
-        s = super().sensitivities(run)
+    def sensitivities(self):
+        s = super().sensitivities()
         return dict(s, fresh=s["fresh"] / 2, vr=s["vr"] / 2)
 
 
