@@ -62,7 +62,7 @@ class Smoothing:
 
 @dataclass(frozen=True)
 class OracleBounds:
-    """Public bounds on an oracle's per-example contributions in this run.
+    """Public bounds on an oracle's per-example contributions, at the schedule's D and m.
 
     ``(R, γ)``: every contribution has norm ≤ R except with probability γ over the oracle's own
     directions (γ = 0 when the bound is worst case or enforced by clipping). The privatizer's

@@ -38,7 +38,7 @@ class PointObjective(Objective, PointQueries):
         p = self.cfg
         self.dtype = DTYPES[p.dtype]
         self.dim = p.dim
-        n_test = getattr(p, "n_test", 0)
+        n_test = self.held_out()
         require_memory(8 * (p.n + n_test) * p.dim, f"the data ({p.n + n_test:,} records of dimension {p.dim:,})",
                        "objective.dim")
         g = torch.Generator().manual_seed(p.seed)
@@ -47,6 +47,10 @@ class PointObjective(Objective, PointQueries):
         self.x = self.initial_point().to(self.dtype).clone()
 
     # -- subclasses (and losses_at, grads_at) ----------------------------------------------------
+
+    def held_out(self) -> int:
+        """Records drawn besides the training data (the memory check counts them)."""
+        return 0
 
     def build(self, g: torch.Generator) -> None:
         raise NotImplementedError
@@ -167,6 +171,9 @@ class Ring(PointObjective):
 
     name = "ring"
     Params = RingParams
+
+    def held_out(self):
+        return self.cfg.n_test
 
     def build(self, g):
         p = self.cfg
