@@ -60,7 +60,8 @@ class O2NCAlgorithm(Algorithm):
     #: single-pass runs end when the data is used up at a period boundary (ZTC: K = ⌊M/2T⌋)
     whole_periods = False
 
-    settings: O2NCSchedule | None = None
+    settings: O2NCSchedule | None = None    # resolved in setup
+    bounds: OracleBounds | None = None       # the oracle's, read in validate (every stage is set up by then)
 
     def setup(self, ctx):
         if not isinstance(self.stages.update_rule, O2NC):

@@ -76,6 +76,8 @@ class OracleEstimator(Estimator):
     class State:
         prev: torch.Tensor | None = None  # the previous query point w_(t−1) (None: the next estimate is fresh)
 
+    bounds: OracleBounds | None = None   # this run's public bounds, computed in setup
+
     def setup(self, ctx):
         self.view = FlatView(ctx.params)
         self.d = self.view.dim
@@ -112,6 +114,8 @@ class OracleEstimator(Estimator):
             c = self.cfg
             return Smoothing(c.smooth_radius, c.lipschitz, c.delta_fail, self.theory_dirs)
         if kind is OracleBounds:
+            if self.bounds is None:
+                raise RuntimeError(f"estimator {self.name!r}: its bounds are known once it is set up")
             return self.bounds
         return super().provide(kind)
 
