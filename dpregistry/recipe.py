@@ -384,7 +384,8 @@ class Recipe:
         e.file = self.source
         parts = tuple(e.key.split(".")) if e.key else ()
         candidates = [parts] if parts else []
-        if section and parts and parts[:1] != (section,) and parts[0] not in TOP_LEVEL:
+        absolute = {"privacy", "train", "seed", "output", "algorithm", *SECTIONS}  # `model`/`data` are the objective's
+        if section and parts and parts[:1] != (section,) and parts[0] not in absolute:
             candidates.insert(0, (section,) + parts)  # `model.path` of the objective: objective.model.path
         for path in candidates:
             if path and path in self.locs:
