@@ -23,7 +23,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from dpregistry import Estimator, StageParams, UserError
+from dpregistry import Estimator, Objective, StageParams, UserError
 from dpregistry.persample import GradSampler, HookContribution, LinearHandler, Outer, handler_for
 from dpregistry.spaces import PROJECTED, ProjectedAggregate, Projector, acc_dtype
 
@@ -101,24 +101,25 @@ class ProjectedPerExampleGrad(Estimator):
     name = "projected_per_example_grad"
     space = PROJECTED
     Params = ProjectedParams
+    needs = (Objective,)
 
-    def setup(self, run):
-        module = run.objective.module()
+    def setup(self, ctx):
+        objective = ctx.need(Objective)
+        module = objective.module()
         if module is None:
             raise UserError("projected_per_example_grad needs an objective with a torch module", key="estimator")
-        self.rng = run.rng
-        self.params = run.params
+        self.rng = ctx.rng  # public randomness: the projector seeds
         sel, r = self.cfg.project, self.cfg.rank
         #: projected layers: module id -> weight name, and weight name -> weight shape
-        self.projected = select_layers(module, run.params, sel, r)
+        self.projected = select_layers(module, ctx.params, sel, r)
         self.shapes = {name: tuple(m.weight.shape) for m in module.modules()
                        if (name := self.projected.get(id(m))) is not None}
         if not self.projected:
             raise UserError(f"no layer is projected (rank {r}, include {sel.include or 'all'}, exclude {sel.exclude}); "
                             "lower the rank or widen estimator.project", key="estimator.project")
-        self.current: dict[str, Projector] = self.projectors(run.step)
-        self.sampler = GradSampler(module, run.params, handler_for=self._handler_for)
-        self.sampler.check_model(run.objective.losses, run.objective.n_train)
+        self.current: dict[str, Projector] = self.projectors(ctx.step)
+        self.sampler = GradSampler(module, ctx.params, handler_for=self._handler_for)
+        self.sampler.check_model(objective.losses, objective.n_train)
 
     def _handler_for(self, module):
         name = self.projected.get(id(module))
@@ -127,18 +128,18 @@ class ProjectedPerExampleGrad(Estimator):
     def projectors(self, step: int) -> dict[str, Projector]:
         """The projectors of engine step ``step``: one seed per layer per period (public randomness)."""
         k = period(step, self.cfg.refresh_every)
-        return {name: make_projector(self.cfg.projector, self.rng.step_seed("grape_projector", k, name),
+        return {name: make_projector(self.cfg.projector, self.rng.seed("grape_projector", k, name),
                                      shape, self.cfg.rank)
                 for name, shape in self.shapes.items()}
 
-    def contributions(self, objective, indices, run):
+    def contributions(self, objective, indices, ctx):
         # Fixed for the whole step: every micro-batch projects with the P the update will use.
-        self.current = self.projectors(run.step)
+        self.current = self.projectors(ctx.step)
         if len(indices) == 0:
-            yield ProjectedHookContribution(n=0, params=self.params, projectors=self.current,
+            yield ProjectedHookContribution(n=0, params=ctx.params, projectors=self.current,
                                             losses=torch.zeros(0), finite=torch.zeros(0, dtype=torch.bool))
             return
-        size = run.recipe.train.micro_batch_size or len(indices)
+        size = ctx.micro_batch_size or len(indices)
         for i in range(0, len(indices), size):
             chunk = indices[i:i + size]
             with torch.enable_grad(), self.sampler.capture(len(chunk)):

@@ -136,7 +136,7 @@ class ImageClassification(TorchObjective):
     name = "image_classification"
     Params = ImageParams
 
-    def build(self, run):
+    def build(self, ctx):
         d = self.cfg.data
         folder = Path(d.path).expanduser()
         if not folder.is_dir():
@@ -153,14 +153,14 @@ class ImageClassification(TorchObjective):
         if not len(yte):  # held-out accuracy 0 and loss 0 would read as measured
             raise UserError("the test data set is empty", key="data.path")
         self.n_train = len(ytr)
-        self.x_train, self.y_train = torch.from_numpy(xtr), torch.from_numpy(ytr).to(run.device)
-        self.x_test, self.y_test = torch.from_numpy(xte), torch.from_numpy(yte).to(run.device)
+        self.x_train, self.y_train = torch.from_numpy(xtr), torch.from_numpy(ytr).to(ctx.device)
+        self.x_test, self.y_test = torch.from_numpy(xte), torch.from_numpy(yte).to(ctx.device)
         self.mean = torch.tensor(d.mean).view(1, -1, 1, 1)
         self.std = torch.tensor(d.std).view(1, -1, 1, 1)
         m = self.cfg.model
         self.dtype = DTYPES[m.dtype]
         n_labels = int(max(ytr.max(initial=0), yte.max(initial=0))) + 1
-        with seeded(run.rng.step_seed("init", 0)):
+        with seeded(ctx.rng.seed("init", 0)):
             if m.init == "pretrained":
                 import transformers
 
@@ -172,7 +172,7 @@ class ImageClassification(TorchObjective):
                                                   use_safetensors=True)
             else:
                 self.model = build_from_config(m.config, num_labels=n_labels)
-        self.model = self.model.to(run.device, self.dtype)
+        self.model = self.model.to(ctx.device, self.dtype)
 
     def _pixels(self, x: torch.Tensor) -> torch.Tensor:
         x = (x.float() / 255.0 - self.mean) / self.std

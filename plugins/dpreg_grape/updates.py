@@ -8,57 +8,53 @@ projector a step equals dpreg_baseline's ``adam`` (Alg. 3) bit for bit.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from pydantic import Field
 
 from dpregistry import StageParams, UpdateRule, UserError
-from dpregistry.spaces import DENSE, PROJECTED, acc_dtype
+from dpregistry.spaces import DENSE, PROJECTED, ProjectedAggregate, acc_dtype
 
 from .projection import LayerSelection, side_of
 
 
-class _AdamMoments:
-    """Adam moments per tensor, with a step count per tensor (a reset restarts its bias correction)."""
+@dataclass
+class AdamMoments:
+    """Adam moments per tensor, with a step count per tensor (a reset restarts its bias correction).
 
-    def __init__(self, betas, eps):
-        self.b1, self.b2 = betas
-        self.eps = eps
-        self.m: dict[str, torch.Tensor] = {}
-        self.v: dict[str, torch.Tensor] = {}
-        self.t: dict[str, int] = {}
+    The state of the rules below extends it, so the run saves and restores the moments."""
+
+    m: dict[str, torch.Tensor] = field(default_factory=dict)  # first moments, by tensor
+    v: dict[str, torch.Tensor] = field(default_factory=dict)  # second moments
+    t: dict[str, int] = field(default_factory=dict)           # steps since each tensor's last reset
 
     def reset(self, k: str) -> None:
         self.m.pop(k, None)
         self.v.pop(k, None)
         self.t.pop(k, None)
 
-    def direction(self, k: str, g: torch.Tensor, lr: float) -> tuple[torch.Tensor, float]:
+    def direction(self, k: str, g: torch.Tensor, lr: float, betas: tuple[float, float],
+                  eps: float) -> tuple[torch.Tensor, float]:
         """α_t·M/(√V + φ) for gradient g (Alg. 2 l.1–4 / Alg. 3)."""
+        b1, b2 = betas
         if k not in self.m:
             self.m[k] = torch.zeros_like(g)
             self.v[k] = torch.zeros_like(g)
             self.t[k] = 0
         self.t[k] += 1
         t = self.t[k]
-        alpha = lr * math.sqrt(1 - self.b2 ** t) / (1 - self.b1 ** t)
+        alpha = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
         m, v = self.m[k], self.v[k]
-        m.mul_(self.b1).add_(g, alpha=1 - self.b1)
-        v.mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
-        return m / (v.sqrt() + self.eps), alpha
-
-    def state_dict(self):
-        return {"m": dict(self.m), "v": dict(self.v), "t": dict(self.t)}
-
-    def load_state_dict(self, s):
-        self.m, self.v = dict(s.get("m", {})), dict(s.get("v", {}))
-        self.t = {k: int(v) for k, v in s.get("t", {}).items()}
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        return m / (v.sqrt() + eps), alpha
 
 
 def _released(params, release):
     """(name, parameter, its released coordinates in the working dtype, its projector or None)."""
-    projectors = getattr(release.value, "projectors", {})
+    projectors = release.value.projectors if isinstance(release.value, ProjectedAggregate) else {}
     for k, x in params.items():
         yield k, x, release.value.tensors[k].to(acc_dtype(x.dtype)), projectors.get(k)
 
@@ -82,29 +78,23 @@ class ProjectedAdam(UpdateRule):
     accepts = frozenset({PROJECTED})
     Params = ProjectedAdamParams
 
-    def setup(self, run):
-        self.moments = _AdamMoments(self.cfg.betas, self.cfg.eps)
-        self.seen: dict[str, int] = {}  # the projector seed each tensor's moments were built in
+    @dataclass
+    class State(AdamMoments):
+        seen: dict[str, int] = field(default_factory=dict)  # the projector seed each tensor's moments were built in
 
     @torch.no_grad()
-    def apply(self, params, release, run):
-        run.undo_displacement()
+    def apply(self, params, release, ctx):
+        ctx.undo_displacement()
+        s, c = self.state, self.cfg
         for k, x, g, pr in _released(params, release):
             if pr is not None:
-                if self.cfg.moment_policy == "reset" and self.seen.get(k, pr.seed) != pr.seed:
-                    self.moments.reset(k)
-                self.seen[k] = pr.seed
-            step, alpha = self.moments.direction(k, g, self.cfg.lr)
+                if c.moment_policy == "reset" and s.seen.get(k, pr.seed) != pr.seed:
+                    s.reset(k)
+                s.seen[k] = pr.seed
+            step, alpha = s.direction(k, g, c.lr, c.betas, c.eps)
             if pr is not None:
                 step = pr.back(step)
             x.sub_((alpha * step).to(x.dtype))
-
-    def state_dict(self):
-        return {"moments": self.moments.state_dict(), "seen": dict(self.seen)}
-
-    def load_state_dict(self, state):
-        self.moments.load_state_dict(state.get("moments", {}))
-        self.seen = {k: int(v) for k, v in state.get("seen", {}).items()}
 
 
 class ProjectedSGDParams(StageParams):
@@ -119,8 +109,8 @@ class ProjectedSGD(UpdateRule):
     Params = ProjectedSGDParams
 
     @torch.no_grad()
-    def apply(self, params, release, run):
-        run.undo_displacement()
+    def apply(self, params, release, ctx):
+        ctx.undo_displacement()
         for _, x, g, pr in _released(params, release):
             if pr is not None:
                 g = pr.back(g)
@@ -149,14 +139,16 @@ class GaLoreAdam(UpdateRule):
     accepts = frozenset({DENSE})
     Params = GaLoreParams
 
-    def setup(self, run):
+    @dataclass
+    class State(AdamMoments):
+        P: dict[str, torch.Tensor] = field(default_factory=dict)  # each projected tensor's SVD basis
+        steps: int = 0                                            # the paper's t (t == 1 takes the first SVD)
+
+    def setup(self, ctx):
         r = self.cfg.rank
-        self.names = [k for k, p in run.params.items() if self.cfg.project.selects(k, tuple(p.shape), r)]
+        self.names = [k for k, p in ctx.params.items() if self.cfg.project.selects(k, tuple(p.shape), r)]
         if not self.names:
             raise UserError(f"galore_adam: no parameter is projected at rank {r}", key="update.project")
-        self.moments = _AdamMoments(self.cfg.betas, self.cfg.eps)
-        self.P: dict[str, torch.Tensor] = {}
-        self.t = 0
 
     def subspace(self, G: torch.Tensor) -> torch.Tensor:
         """Top-r left singular vectors (rows ≤ columns) or right singular vectors (otherwise)."""
@@ -165,34 +157,27 @@ class GaLoreAdam(UpdateRule):
         return (U[:, :r] if side_of(tuple(G.shape)) == "left" else Vh[:r].transpose(0, 1)).contiguous()
 
     @torch.no_grad()
-    def apply(self, params, release, run):
-        run.undo_displacement()
+    def apply(self, params, release, ctx):
+        ctx.undo_displacement()
         grads = release.value.lift(params)
-        self.t += 1
-        refresh = self.t == 1 or self.t % self.cfg.refresh_every == 0  # spec §1.5: "t == 1 or t mod F == 0"
+        s, c = self.state, self.cfg
+        s.steps += 1
+        refresh = s.steps == 1 or s.steps % c.refresh_every == 0  # spec §1.5: "t == 1 or t mod F == 0"
         for k, x in params.items():
             g = grads[k].to(acc_dtype(x.dtype))
             if k in self.names:
                 left = side_of(tuple(g.shape)) == "left"
-                if refresh or k not in self.P:
-                    self.P[k] = self.subspace(g)
-                    if self.cfg.moment_policy == "reset":
-                        self.moments.reset(k)
-                P = self.P[k]
+                if refresh or k not in s.P:
+                    s.P[k] = self.subspace(g)
+                    if c.moment_policy == "reset":
+                        s.reset(k)
+                P = s.P[k]
                 g = P.transpose(0, 1) @ g if left else g @ P
-                step, alpha = self.moments.direction(k, g, self.cfg.lr)
+                step, alpha = s.direction(k, g, c.lr, c.betas, c.eps)
                 step = P @ step if left else step @ P.transpose(0, 1)
             else:
-                step, alpha = self.moments.direction(k, g, self.cfg.lr)
+                step, alpha = s.direction(k, g, c.lr, c.betas, c.eps)
             x.sub_((alpha * step).to(x.dtype))
-
-    def state_dict(self):
-        return {"moments": self.moments.state_dict(), "P": dict(self.P), "t": self.t}
-
-    def load_state_dict(self, state):
-        self.moments.load_state_dict(state.get("moments", {}))
-        self.P = dict(state.get("P", {}))
-        self.t = int(state.get("t", 0))
 
 
 UPDATE_RULES = (ProjectedAdam, ProjectedSGD, GaLoreAdam)
