@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from conftest import make_run
+from dpregistry import Objective
 from dpregistry.clipping import clip_and_sum
+from dpregistry.context import Context
 from dpregistry.rng import RunRNG
 from dpregistry.spaces import ProjectedAggregate, Projector
 from dpregistry.stages import ClippedSum, Release
@@ -45,14 +45,16 @@ class FixedData:
 
 
 def estimator(model, data, *, rank=4, refresh=100, projector="gaussian", project=None, micro=None, seed=0):
+    """The projected estimator set up on ``model`` with ``data`` as its objective, and the context
+    of step 0 (a detached one: the stage alone, as a run would drive it)."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     cfg = ProjectedPerExampleGrad.Params(rank=rank, refresh_every=refresh, projector=projector,
                                          project=project or LayerSelection())
     est = ProjectedPerExampleGrad(cfg)
-    run = SimpleNamespace(objective=data, rng=RunRNG(seed), params=params, step=0,
-                          recipe=SimpleNamespace(train=SimpleNamespace(micro_batch_size=micro)))
-    est.setup(run)
-    return est, run
+    ctx = Context.detached(params, seed=seed, n_train=data.n_train, micro_batch_size=micro,
+                           provides={Objective: data})
+    est.setup(ctx)
+    return est, ctx
 
 
 def per_example_reference(model, losses):
@@ -91,9 +93,9 @@ def spy_releases(monkeypatch, cls):
     seen = []
     orig = cls.apply
 
-    def apply(self, params, release, run):
-        seen.append((run.step, release.value.clone(), {k: v.clone() for k, v in params.items()}))
-        return orig(self, params, release, run)
+    def apply(self, params, release, ctx):
+        seen.append((ctx.step, release.value.clone(), {k: v.clone() for k, v in params.items()}))
+        return orig(self, params, release, ctx)
 
     monkeypatch.setattr(cls, "apply", apply)
     return seen
@@ -120,7 +122,7 @@ def test_projector_is_reproducible_bit_for_bit_and_n01r():
 def test_seed_schedule_changes_exactly_every_F_steps():
     """§7.2: with F = 100 and t = 1..350 seeds change at t ∈ {100, 200, 300}; initial seeds exist before t = 1."""
     model = nn.Sequential(nn.Linear(12, 10))
-    est, run = estimator(model, FixedData(model, None, None), rank=4, refresh=100)
+    est, ctx = estimator(model, FixedData(model, None, None), rank=4, refresh=100)
     seeds = [est.projectors(t - 1)["0.weight"].seed for t in range(1, 351)]  # engine step = t − 1
     changes = [t for t in range(2, 351) if seeds[t - 1] != seeds[t - 2]]
     assert changes == [100, 200, 300]
@@ -133,8 +135,8 @@ def test_orientation_and_projected_shapes():
     model = nn.Sequential(nn.Linear(4096, 1024), nn.Tanh(), nn.Linear(1024, 4096), nn.Tanh(), nn.Linear(4096, 3))
     x, y = torch.randn(2, 4096), torch.tensor([0, 2])
     data = FixedData(model, x, y)
-    est, run = estimator(model, data, rank=8)
-    c = next(est.contributions(data, torch.arange(2), run))
+    est, ctx = estimator(model, data, rank=8)
+    c = next(est.contributions(data, torch.arange(2), ctx))
     pe = {name: v for h, local, uses in c.records for k, v in h.per_example(uses[0]).items()
           for name in [local[k]]}
     assert pe["0.weight"].shape == (2, 8, 4096)
@@ -143,10 +145,10 @@ def test_orientation_and_projected_shapes():
     assert side_of((64, 64)) == "left" and side_of((64, 65)) == "left" and side_of((65, 64)) == "right"
     agg = c.weighted_sum(torch.ones(2))
     upd = ProjectedAdam(ProjectedAdam.Params(lr=1e-3))
-    upd.setup(None)
-    upd.apply(est.params, Release(agg, []), SimpleNamespace(undo_displacement=lambda: None))
-    assert upd.moments.m["0.weight"].shape == (8, 4096) and upd.moments.v["0.weight"].shape == (8, 4096)
-    assert upd.moments.m["2.weight"].shape == (4096, 8)
+    upd.setup(ctx)
+    upd.apply(ctx.params, Release(agg, []), ctx)
+    assert upd.state.m["0.weight"].shape == (8, 4096) and upd.state.v["0.weight"].shape == (8, 4096)
+    assert upd.state.m["2.weight"].shape == (4096, 8)
 
 
 # ------------------------------------------------------------------------------------------
@@ -178,9 +180,9 @@ def test_projected_per_example_gradients_equal_projected_full_gradients(T):
     ids[0, -1] = 0
     y = torch.randint(0, 3, (5,))
     data = FixedData(model, ids, y)
-    est, run = estimator(model, data, rank=6)
+    est, ctx = estimator(model, data, rank=6)
     assert set(est.shapes) == {"up.weight", "down.weight"}
-    c = next(est.contributions(data, torch.arange(5), run))
+    c = next(est.contributions(data, torch.arange(5), ctx))
     ref = per_example_reference(model, data.losses(torch.arange(5)))
     expect = {}
     for k, G in ref.items():
@@ -219,8 +221,8 @@ def test_half_precision_model_projects_and_clips_in_fp32(dtype, tol):
     model = Seq().to(dtype)
     ids, y = torch.randint(1, 20, (5, 9)), torch.randint(0, 3, (5,))
     data = FixedData(model, ids, y, loss=lambda o, t, reduction: F.cross_entropy(o.float(), t, reduction=reduction))
-    est, run = estimator(model, data, rank=6)
-    c = next(est.contributions(data, torch.arange(5), run))
+    est, ctx = estimator(model, data, rank=6)
+    c = next(est.contributions(data, torch.arange(5), ctx))
     ref = per_example_reference(model, data.losses(torch.arange(5)))
     got = {local[k]: v for h, local, uses in c.records for k, v in h.per_example(uses[0]).items()}
     assert set(est.current) == {"up.weight", "down.weight"}
@@ -286,8 +288,9 @@ def test_noise_is_added_to_every_projected_coordinate_with_std_C_sigma_over_B(tm
         "0.weight": (96, 8), "0.bias": (96,), "2.weight": (8, 96), "2.bias": (10,)}
     assert agg.numel == 96 * 8 + 8 * 96 + 96 + 10
     zero = ProjectedAggregate({"a": torch.zeros(1000, 1000)}, {})
-    rel = run.privatizer.release(ClippedSum(zero, count=0), run)
-    B = run.sampler.expected_batch_size(run)
+    ctx = run.begin_step()  # after the last step: a release outside the run's steps, charged nowhere
+    rel = run.privatizer.release(ClippedSum(zero, count=0), ctx)
+    B = ctx.expected_batch_size()
     std = float(rel.value.tensors["a"].std())
     assert abs(std / (0.5 * 1.3 / B) - 1) < 0.02
 
@@ -322,9 +325,9 @@ def test_identity_projector_contribution_equals_dense_on_sequences():
     ids = torch.randint(1, 20, (6, 11))
     y = torch.randint(0, 3, (6,))
     data = FixedData(model, ids, y)
-    est, run = estimator(model, data, projector="identity", project=LayerSelection(exclude=[], min_dim_gt_rank=False))
-    c = next(est.contributions(data, torch.arange(6), run))
-    gs = GradSampler(model, est.params)
+    est, ctx = estimator(model, data, projector="identity", project=LayerSelection(exclude=[], min_dim_gt_rank=False))
+    c = next(est.contributions(data, torch.arange(6), ctx))
+    gs = GradSampler(model, ctx.params)
     with torch.enable_grad(), gs.capture(6):
         losses = data.losses(torch.arange(6))
     d = gs.contribution(losses)
@@ -349,7 +352,7 @@ def test_orthogonal_square_projector_with_sgd_is_dp_sgd_with_rotated_noise(tmp_p
     # Both runs draw the same z: the step's secret noise source, tensors in sorted order.
     src = RunRNG(3, "reproducible").noise(0, 0)
     z = {k: src.randn(tuple(x0[k].shape)) for k in sorted(x0)}["0.weight"].double()
-    B, lr, sc = run.sampler.expected_batch_size(run), 0.1, 1.3 * 0.5
+    B, lr, sc = run.ctx.expected_batch_size(), 0.1, 1.3 * 0.5
     D_sgd = (x0["0.weight"] - a["0.weight"]).double() * B / lr       # S + σC·z
     D_grape = (x0["0.weight"] - b["0.weight"]).double() * B / lr     # P(PᵀS + σC·z) = S + σC·Pz
     S = D_sgd - sc * z
@@ -369,10 +372,11 @@ def test_no_noise_no_clip_release_is_projected_mean_gradient(tmp_path):
     recipe = digits(sampler={"name": "shuffle", "batch_size": 40}, privatizer={"clip": math.inf, "noise_multiplier": 0},
                     estimator={"rank": 8}, privacy=None)
     run = make_run(recipe, tmp_path)
-    idx = run.sampler.indices(0, run)
+    ctx = run.begin_step()
+    idx = run.sampler.indices(ctx)
     loss = run.objective.losses(idx).mean()
     grads = dict(zip(run.params, torch.autograd.grad(loss, list(run.params.values()))))
-    release = run.privatizer.release(run.privatize_batch(idx), run)  # the step without the ledger
+    release = run.privatizer.release(run.privatize_batch(idx), ctx)  # the step without the ledger
     agg = release.value
     assert set(agg.projectors) == {"0.weight", "2.weight"}
     for k, g in grads.items():
@@ -388,10 +392,10 @@ def test_moments_across_a_refresh(tmp_path, monkeypatch, policy):
     moments = []
     orig = ProjectedAdam.apply
 
-    def apply(self, params, release, run):
-        before = {k: v.clone() for k, v in self.moments.m.items()}
-        orig(self, params, release, run)
-        moments.append((before, release.value.clone(), {k: v.clone() for k, v in self.moments.m.items()}))
+    def apply(self, params, release, ctx):
+        before = {k: v.clone() for k, v in self.state.m.items()}
+        orig(self, params, release, ctx)
+        moments.append((before, release.value.clone(), {k: v.clone() for k, v in self.state.m.items()}))
 
     monkeypatch.setattr(ProjectedAdam, "apply", apply)
     recipe = digits(steps=F_, estimator={"rank": 8, "refresh_every": F_}, update={"lr": 1e-3, "moment_policy": policy})
@@ -422,8 +426,9 @@ def test_algorithm_2_arithmetic_by_hand():
     pr = FixedProjector(seed=1, rows=2, rank=1, side="left")
     agg = ProjectedAggregate({"w": torch.tensor([R], dtype=torch.float64)}, {"w": pr})
     upd = ProjectedAdam(ProjectedAdam.Params(lr=1e-3, betas=(0.9, 0.999), eps=1e-8))
-    upd.setup(None)
-    upd.apply({"w": W}, Release(agg, []), SimpleNamespace(undo_displacement=lambda: None))
+    ctx = Context.detached({"w": W})
+    upd.setup(ctx)
+    upd.apply(ctx.params, Release(agg, []), ctx)
     alpha = 1e-3 * math.sqrt(1 - 0.999) / (1 - 0.9)
     assert abs(alpha - 3.16228e-4) < 1e-9
     for i in range(2):
@@ -444,9 +449,9 @@ def test_naive_galore_projects_the_noisy_dense_gradient(tmp_path, monkeypatch):
     P_at = []
     orig = GaLoreAdam.apply
 
-    def apply(self, params, release, run):
-        orig(self, params, release, run)
-        P_at.append({k: v.clone() for k, v in self.P.items()})
+    def apply(self, params, release, ctx):
+        orig(self, params, release, ctx)
+        P_at.append({k: v.clone() for k, v in self.state.P.items()})
 
     monkeypatch.setattr(GaLoreAdam, "apply", apply)
     recipe = digits("dp_galore_naive", 3, update={"rank": 8, "refresh_every": 2, "lr": 1e-3})
@@ -479,7 +484,7 @@ def test_privacy_is_independent_of_rank(tmp_path):
         est = {"rank": r, "project": {"min_dim_gt_rank": False}}
         run = make_run(digits(steps=200, objective=obj, estimator=est, privacy={"epsilon": 50, "delta": 1e-5}), tmp_path)
         assert set(run.estimator.shapes) == {"0.weight", "2.weight"}
-        plan = run.algorithm.plan(run, run.privatizer.noise_multiplier)
+        plan = run.algorithm.plan(run.ctx, run.privatizer.noise_multiplier)
         plans.append(plan)
         eps.append(run.accountant.epsilon(extra=plan))
     assert plans[0] == plans[1] == plans[2]

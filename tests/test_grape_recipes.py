@@ -58,8 +58,17 @@ def tiny_hf_folder(tmp_path, config, **dims):
     return folder
 
 
+def small_batches(run, batch_size):
+    """Replace the run's sampler by one of the same kind with a small batch (the stages the
+    algorithm composes included), after calibration at the recipe's batch."""
+    sampler = type(run.sampler)(type(run.sampler).Params(batch_size=batch_size))
+    sampler.setup(run.ctx)
+    run.sampler = run.algorithm.stages.sampler = sampler
+
+
 def run_one_step(run):
     before = {k: v.detach().clone() for k, v in run.params.items()}
+    run.begin_step()
     run.algorithm.step(run)
     run.step += 1
     moved = {k for k in before if not torch.equal(before[k], run.params[k])}
@@ -86,8 +95,7 @@ def test_text_recipes_run_on_their_architecture(tmp_path, sst2_dir, name, config
     z_add = make_run(RECIPES / name, tmp_path, sets=sets + ["privacy.relation=add_remove"]).privatizer.noise_multiplier
     assert abs(z_add / sigma_add_remove - 1) < 0.01
     assert abs(z_replace / (2 * z_add) - 1) < 1e-3  # replace-one: sensitivity 2C, the same σ/Δ
-    run.sampler = type(run.sampler)(type(run.sampler).Params(batch_size=4))  # one small step
-    run.sampler.setup(run)
+    small_batches(run, 4)  # one small step
     moved = run_one_step(run)
     assert layers <= moved
 
@@ -112,8 +120,7 @@ def test_vit_recipe_runs_on_the_shipped_vit_base(tmp_path):
     assert run.n_train == 1100
     assert sum(p.numel() for p in run.params.values()) == 85_152_010
     assert len(run.estimator.shapes) == 72  # q, k, v, o, fc1, fc2 in each of 12 blocks
-    run.sampler = type(run.sampler)(type(run.sampler).Params(batch_size=3))
-    run.sampler.setup(run)
+    small_batches(run, 3)
     moved = run_one_step(run)
     assert {"vit.embeddings.cls_token", "vit.embeddings.position_embeddings"} <= moved  # the vmap fallback
     assert set(run.estimator.shapes) <= moved
@@ -123,6 +130,5 @@ def test_vit_recipe_runs_on_the_shipped_vit_base(tmp_path):
 def test_minilm_dpgrape_recipe_runs(tmp_path, sst2_dir):
     run = make_run(RECIPES / "minilm_sst2_dpgrape.yaml", tmp_path, sets=[f"data.path={sst2_dir}"])
     assert len(run.estimator.shapes) == 36  # 6 blocks × (q, k, v, o, intermediate, output)
-    run.sampler = type(run.sampler)(type(run.sampler).Params(batch_size=4))
-    run.sampler.setup(run)
+    small_batches(run, 4)
     assert set(run.estimator.shapes) <= run_one_step(run)
