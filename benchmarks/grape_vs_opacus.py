@@ -33,7 +33,6 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("opacus_hooks", "opacus_ghost", "dp_adam", "dp_grape")
@@ -84,10 +83,53 @@ def build(model: str, device: str):
     return net.to(device).train(), make_x, rank
 
 
+def dpregistry_run(method: str, net, X, y, rank: int, device: str):
+    """A prepared dpregistry run of ``method`` on the benchmark's model: its objective serves the
+    fixed batch (X, y), every step takes all of it, C = 1, σ = 1, Adam (projected for dp_grape)."""
+    import tempfile
+
+    import torch.nn.functional as F
+    import yaml
+
+    from dpregistry import Objective, StagePlugin
+    from dpregistry.recipe import load
+    from dpregistry.registry import Registry
+    from dpregistry.run import Run
+
+    class Batch(Objective):
+        """The benchmark's model on its fixed batch."""
+
+        name = "benchmark_batch"
+        n_train = len(y)
+
+        def params(self):
+            return {n: p for n, p in net.named_parameters() if p.requires_grad}
+
+        def module(self):
+            return net
+
+        def losses(self, idx):
+            return F.cross_entropy(net(X[idx]), y[idx], reduction="none")
+
+    registry = Registry().load_entry_points()
+    registry.add_plugin(StagePlugin(Batch), origin="benchmarks/grape_vs_opacus.py")
+    if method == "dp_grape":
+        estimator, update = {"name": "projected_per_example_grad", "rank": rank}, {"name": "projected_adam"}
+    else:
+        estimator, update = {"name": "per_example_grad", "backend": "hooks"}, {"name": "adam"}
+    recipe = {"algorithm": method, "seed": 0, "objective": {"name": Batch.name}, "sampler": {"name": "full_batch"},
+              "estimator": estimator, "privatizer": {"name": "gaussian", "clip": 1.0, "noise_multiplier": 1.0},
+              "update": {**update, "lr": 1e-4}, "accountant": {"name": "rdp"},
+              "train": {"steps": 1000, "device": device, "progress": False}}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "recipe.yaml"
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        return Run(load(path, registry=registry)).prepare()
+
+
 def child(method: str, model: str, B: int, device: str, steps: int = 2) -> dict:
     """One configuration in this (fresh) process: warm-up + timed steps, peak memory."""
     import torch
-    import torch.nn.functional as F
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(int(os.environ.get("GRAPE_BENCH_THREADS", "2")))
@@ -118,39 +160,11 @@ def child(method: str, model: str, B: int, device: str, steps: int = 2) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
     else:
-        from dpregistry.rng import RunRNG
-        from dpreg_baseline.estimators import PerExampleGrad
-        from dpreg_baseline.privatizers import GaussianPrivatizer
-        from dpreg_baseline.updates import Adam
-        from dpreg_grape.estimators import ProjectedPerExampleGrad
-        from dpreg_grape.updates import ProjectedAdam
+        run = dpregistry_run(method, net, X, y, rank, device)
 
-        params = {n: p for n, p in net.named_parameters() if p.requires_grad}
-        obj = SimpleNamespace(module=lambda: net,
-                              losses=lambda idx: F.cross_entropy(net(X[idx]), y[idx], reduction="none"))
-        rng = RunRNG(0)
-        run = SimpleNamespace(objective=obj, rng=rng, params=params, step=0, relation="replace_one",
-                              recipe=SimpleNamespace(train=SimpleNamespace(micro_batch_size=None)),
-                              sampler=SimpleNamespace(expected_batch_size=lambda r: float(B)),
-                              undo_displacement=lambda: None)
-        run.noise = lambda: rng.noise(run.step, 0)
-        if method == "dp_grape":
-            est = ProjectedPerExampleGrad(ProjectedPerExampleGrad.Params(rank=rank))
-            upd = ProjectedAdam(ProjectedAdam.Params(lr=1e-4))
-        else:
-            est = PerExampleGrad(PerExampleGrad.Params(backend="hooks"))
-            upd = Adam(Adam.Params(lr=1e-4))
-        priv = GaussianPrivatizer(GaussianPrivatizer.Params(clip=1.0, noise_multiplier=1.0))
-        for s in (est, priv, upd):
-            s.setup(run)
-        idx = torch.arange(B, device=device)
-
-        def step():
-            total = None
-            for c in est.contributions(obj, idx, run):
-                part = priv.clip_sum(c)
-                total = part if total is None else total.add_(part)
-            upd.apply(params, priv.release(total, run), run)
+        def step():  # one step as dpregistry.loop takes it (the charge is a ledger entry)
+            run.begin_step()
+            run.algorithm.step(run)
             run.step += 1
 
     if device != "cpu":
