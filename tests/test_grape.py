@@ -519,14 +519,25 @@ def test_gradient_accumulation_does_not_change_the_result(tmp_path, monkeypatch)
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
-def test_resume_is_bit_identical(tmp_path):
-    """Projected Adam's moments (and the step-derived seeds) survive a checkpoint and resume."""
+RESUMED = {
+    "dp_grape": digits(steps=6, estimator={"rank": 8, "refresh_every": 2},
+                       update={"lr": 3e-3, "moment_policy": "reset"}),
+    # t = 4 after the resume takes no SVD (F = 5): it needs the restored basis P and step count
+    "dp_galore_naive": digits("dp_galore_naive", 6, update={"rank": 8, "refresh_every": 5, "lr": 3e-3,
+                                                            "moment_policy": "reset"}),
+}
+
+
+@pytest.mark.parametrize("algorithm", list(RESUMED))
+def test_resume_is_bit_identical(tmp_path, algorithm):
+    """Projected Adam's moments (and the step-derived seeds), and naive GaLore's moments, basis and
+    step count, survive a checkpoint and resume."""
     from dpregistry.folder import resume_run, start_run
     from dpregistry.run import Run
     from dpregistry.recipe import load
     from conftest import write_recipe
 
-    recipe = digits(steps=6, estimator={"rank": 8, "refresh_every": 2}, update={"lr": 3e-3, "moment_policy": "reset"})
+    recipe = RESUMED[algorithm]
     full, _ = params_after(recipe, tmp_path)
     path = write_recipe(tmp_path, recipe, "r.yaml")
     (tmp_path / "out").mkdir()
