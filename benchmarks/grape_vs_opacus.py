@@ -10,9 +10,9 @@ the same model, batch, inputs, clipping (flat, C = 1) and noise multiplier (1.0)
 * dp_grape      dpregistry projected_per_example_grad + gaussian + projected_adam (rank r)
 
 Memory (CPU): each configuration runs in a fresh subprocess; peak = the process's resident-set
-high-water mark (getrusage ru_maxrss, which the kernel keeps) minus the RSS after imports and
-before the model is built, so it counts the model, optimizer state, activations and per-example
-buffers, not the Python/torch libraries. On a GPU it is torch.cuda.max_memory_allocated() after
+high-water mark (getrusage ru_maxrss, which the kernel keeps) minus the RSS after the method's
+libraries are imported and before the model is built, so it counts the model, optimizer state,
+activations and per-example buffers, not the Python/torch/Opacus/dpregistry libraries. On a GPU it is torch.cuda.max_memory_allocated() after
 the same steps. Step time: median of the timed steps (default 2) after one warm-up step.
 
 Largest batch in a memory budget: peak(B) is measured at B and at ``--fit-factor``·B (default 6),
@@ -83,6 +83,22 @@ def build(model: str, device: str):
     return net.to(device).train(), make_x, rank
 
 
+def import_libraries(method: str) -> None:
+    """Import what ``method`` runs on before the baseline RSS is taken, so its peak counts what the
+    method allocates, not library code (dpregistry's run, recipe and registry weigh about 70 MiB)."""
+    if method.startswith("opacus"):
+        import opacus  # noqa: F401
+    else:
+        import dpreg_accounting.accountants  # noqa: F401
+        import dpreg_baseline.estimators  # noqa: F401
+        import dpreg_baseline.privatizers  # noqa: F401
+        import dpreg_baseline.updates  # noqa: F401
+        import dpreg_grape.estimators  # noqa: F401
+        import dpreg_grape.updates  # noqa: F401
+        import dpregistry.recipe  # noqa: F401
+        import dpregistry.run  # noqa: F401
+
+
 def dpregistry_run(method: str, net, X, y, rank: int, device: str):
     """A prepared dpregistry run of ``method`` on the benchmark's model: its objective serves the
     fixed batch (X, y), every step takes all of it, C = 1, σ = 1, Adam (projected for dp_grape)."""
@@ -133,6 +149,7 @@ def child(method: str, model: str, B: int, device: str, steps: int = 2) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(int(os.environ.get("GRAPE_BENCH_THREADS", "2")))
+    import_libraries(method)
     base = rss_mib()
     net, make_x, rank = build(model, device)
     g = torch.Generator().manual_seed(1)
