@@ -89,7 +89,7 @@ def spent_curve(acc: Accountant, ledger: Ledger, points: int = 25) -> list[tuple
     points = min(points, n)  # more points than steps would repeat steps
     steps = sorted({max(1, round(n * i / points)) for i in range(1, points + 1)} | {n})
     use_rho = acc.budget.delta is None
-    if use_rho and not hasattr(acc, "rho"):
+    if use_rho and acc.rho() is None:
         return []
     out = []
     full = acc.ledger

@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Iterable
 
 from ..errors import BudgetExhausted, UserError
 from ..stages import Charge, Stage, StageParams
-from .events import RELATIONS, PrivacyEvent
+from .events import RELATIONS, PrivacyEvent, nodes
 
 
 @dataclass
@@ -163,15 +163,10 @@ class Accountant(Stage):
     def check_events(self, events: Iterable[PrivacyEvent]) -> None:
         """Raise UserError for an event type this accountant cannot compose."""
         for e in events:
-            stack = [e]
-            while stack:
-                ev = stack.pop()
+            for ev in nodes(e):
                 if ev.type not in self.supports:
                     raise UserError(f"accountant {self.name!r} cannot account {ev.type!r} events; "
                                     f"it supports {', '.join(sorted(self.supports))}")
-                if hasattr(ev, "event"):
-                    stack.append(ev.event)
-                stack.extend(getattr(ev, "events", ()))
 
     def epsilon(self, delta: float | None = None, extra: Iterable[Charge] = ()) -> float:
         delta = self.budget.delta if delta is None else delta
@@ -252,6 +247,10 @@ class Accountant(Stage):
         """
         return solve_boundary(lambda z: self._slack(self.ledger.grouped(plan(z))),
                               lo=lo, hi=hi, rtol=rtol, guess=guess)
+
+    def rho(self) -> float | None:
+        """The zCDP ρ the ledger has spent, for accountants that keep it (None: this one does not)."""
+        return None
 
     def remaining(self) -> float | None:
         """What is left of the budget in the filter's own currency (ρ for zcdp, the RDP value at

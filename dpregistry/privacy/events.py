@@ -40,15 +40,19 @@ class PrivacyEvent:
         super().__init_subclass__(**kw)
         PrivacyEvent._registry[cls.type] = cls
 
+    def children(self) -> tuple["PrivacyEvent", ...]:
+        """The events this one wraps or composes (none for a mechanism)."""
+        inner = self.__dict__.get("event")
+        return (inner,) if isinstance(inner, PrivacyEvent) else tuple(self.__dict__.get("events", ()))
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}
         for k, v in asdict(self).items():
             out[k] = v
         # nested events are serialised through their own to_dict
-        for k in ("event",):
-            if hasattr(self, k):
-                out[k] = getattr(self, k).to_dict()
-        if hasattr(self, "events"):
+        if "event" in self.__dict__:
+            out["event"] = self.event.to_dict()
+        if "events" in self.__dict__:
             out["events"] = [e.to_dict() for e in self.events]
         return out
 
@@ -164,6 +168,13 @@ class ZCDP(PrivacyEvent):
 
     def describe(self) -> str:
         return f"zcdp(ρ={self.rho:.4g})"
+
+
+def nodes(event: PrivacyEvent) -> Iterator[PrivacyEvent]:
+    """Every event of a tree, the wrappers and compositions included (depth first)."""
+    yield event
+    for child in event.children():
+        yield from nodes(child)
 
 
 def leaves(event: PrivacyEvent, count: int = 1, *,

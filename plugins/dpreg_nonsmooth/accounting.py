@@ -21,8 +21,7 @@ from typing import ClassVar
 
 from dpregistry import Accountant, StageParams, UserError
 from dpregistry.privacy.conversions import epsilon_to_zcdp, gaussian_zcdp, zcdp_to_delta, zcdp_to_epsilon
-from dpregistry.privacy.events import (Composed, Gaussian, NonPrivate, PrivacyEvent, SelfComposed,
-                                       TreeAggregation, ZCDP)
+from dpregistry.privacy.events import Gaussian, NonPrivate, PrivacyEvent, TreeAggregation, ZCDP, leaves
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,12 @@ class ConcentrationFailure(PrivacyEvent):
 
 
 def event_rho(ev: PrivacyEvent) -> float:
-    """zCDP ρ of one event (Gaussian: Δ²/2σ²; tree: nodes·Δ²/2σ², spec 001 §2.3)."""
+    """zCDP ρ of an event (Gaussian: Δ²/2σ²; tree: nodes·Δ²/2σ², spec 001 §2.3), summed over its
+    compositions."""
+    return sum(n * _mechanism_rho(e) for e, n in leaves(ev))
+
+
+def _mechanism_rho(ev: PrivacyEvent) -> float:
     if isinstance(ev, TreeAggregation):
         ev = ev.as_gaussian()
     if isinstance(ev, Gaussian):
@@ -54,10 +58,6 @@ def event_rho(ev: PrivacyEvent) -> float:
             return gaussian_zcdp(ev.sensitivity, ev.std)
     if isinstance(ev, ZCDP):
         return ev.rho
-    if isinstance(ev, Composed):
-        return sum(event_rho(e) for e in ev.events)
-    if isinstance(ev, SelfComposed):
-        return ev.count * event_rho(ev.event)
     if isinstance(ev, NonPrivate):
         return math.inf
     if isinstance(ev, ConcentrationFailure):
@@ -66,13 +66,8 @@ def event_rho(ev: PrivacyEvent) -> float:
 
 
 def event_failure(ev: PrivacyEvent) -> float:
-    if isinstance(ev, ConcentrationFailure):
-        return ev.delta
-    if isinstance(ev, Composed):
-        return sum(event_failure(e) for e in ev.events)
-    if isinstance(ev, SelfComposed):
-        return ev.count * event_failure(ev.event)
-    return 0.0
+    """The failure probability an event adds to δ (KLT's high-probability bounds), summed."""
+    return sum(n * e.delta for e, n in leaves(ev) if isinstance(e, ConcentrationFailure))
 
 
 class ZcdpFailParams(StageParams):
