@@ -42,7 +42,7 @@ def lm_recipe(tiny, kind="causal_lm_prompt", **model):
     return {"algorithm": "dpzero",
             "objective": {"name": kind, "model": {"path": str(tiny / folder), "init": "random", "tokenizer": "byte",
                                                    "max_length": 64, **model},
-                          "data": {"path": str(tiny / "data")}},
+                          "data": {"path": str(tiny / "data"), "labels": ["0", "1"]}},
             "sampler": {"name": "shuffle", "batch_size": 4},
             "privatizer": {"clip": 1.0, "noise_multiplier": 1.0},
             "update": {"lr": 1e-3}, "train": {"steps": 2, "log_every": 1000}}
@@ -178,12 +178,15 @@ def test_text_objectives_share_dpregistry_text_data(tmp_path):
     d = TextData(path=str(folder), train="train.csv", test="test.csv", text="review", k_per_class=4, seed=7,
                  max_test=2)
     train, test = d.load()
-    assert train.label_names == ["neg", "pos"] and Counter(train.labels) == {0: 4, 1: 4}
+    texts = train.fields(range(len(train)))
+    assert train.label_names == ["neg", "pos"] and Counter(train.labels.tolist()) == {0: 4, 1: 4}
     truth = dict(train_rows)
-    assert all(truth[t] == train.label_names[y] for (t,), y in zip(train.texts, train.labels))
-    assert len(set(train.texts)) == 8
-    assert (test.texts, test.labels) == ([("a",), ("b",)], [0, 1])
-    assert d.load()[0] == train and TextData(**{**d.model_dump(), "seed": 8}).load()[0].texts != train.texts
+    assert all(truth[t] == train.label_names[y] for (t,), y in zip(texts, train.labels))
+    assert len(set(texts)) == 8
+    assert (test.fields(range(len(test))), test.labels.tolist()) == ([("a",), ("b",)], [0, 1])
+    again = d.load()[0]
+    assert again.fields(range(8)) == texts and again.labels.tolist() == train.labels.tolist()
+    assert TextData(**{**d.model_dump(), "seed": 8}).load()[0].fields(range(8)) != texts
     with pytest.raises(UserError, match="data folder .* not found.*train.csv and test.csv") as e:
         TextData(path=str(tmp_path / "missing"), train="train.csv", test="test.csv").load()
     assert e.value.key == "data.path"
