@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import random
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from conftest import RECIPES, SST2_SUBSET, make_run
+from dpregistry.users import UserIds
 
 HUB_ID = "stanfordnlp/sst2"
 NO_LABEL = -1  # what GLUE's test split holds instead of a label
@@ -87,25 +89,56 @@ def table_rows(table) -> list[tuple[tuple[str, ...], str]]:
 
 TINY = ["privacy.noise=reproducible", "train.progress=false", "train.eval_every=null", "train.checkpoint_every=null",
         "data.k_per_class=16", "sampler.batch_size=8", "model.max_length=32", "train.steps=2", "data.max_test=8"]
-FROM_HUB = ["data.path=null", f"data.hub={HUB_ID}", "data.train=train", "data.test=validation", "data.labels=null"]
+HUB_RECIPE = RECIPES / "minilm_sst2_hub_dp_adam.yaml"
 
 
-def test_a_hub_data_set_trains_exactly_as_the_same_rows_from_files(hub_cache):
-    """`data: {hub: stanfordnlp/sst2, train: train, test: validation}` loads from the local cache
-    with the hub offline. Its ClassLabel gives the label order (negative, positive: the order of the
-    recipe's descriptions), so no data.labels is needed, and the run is the TSV run bit for bit:
-    the same k-shot rows in the same order, the same head, the same parameters after two steps."""
+def test_the_hub_recipe_trains_exactly_as_the_same_rows_from_files(hub_cache):
+    """The shipped hub recipe (`data: {hub: stanfordnlp/sst2, train: train, test: validation}`)
+    loads from the local cache with the hub offline, and its run is the TSV run bit for bit: the
+    same k-shot rows in the same order, the same head, the same parameters after two steps. The
+    labels are named by the hub's ClassLabel (negative, positive), in the descriptions' order."""
     runs = {}
-    for name, sets in {"files": [f"data.path={SST2_SUBSET}"], "hub": FROM_HUB}.items():
-        run = make_run(RECIPES / "minilm_sst2_dp_adam.yaml", sets=TINY + sets)
+    for name, (recipe, sets) in {"files": (RECIPES / "minilm_sst2_dp_adam.yaml", [f"data.path={SST2_SUBSET}"]),
+                                 "hub": (HUB_RECIPE, [])}.items():
+        run = make_run(recipe, sets=TINY + sets)
         run.train()
         runs[name] = run
+    assert runs["hub"].objective.cfg.data.hub == HUB_ID and runs["hub"].objective.cfg.data.path is None
     assert runs["hub"].objective.label_names == ["negative", "positive"]
     assert runs["files"].objective.label_names == ["0", "1"]
     a, b = runs["files"].objective.train_tok.table, runs["hub"].objective.train_tok.table
     assert a.fields(range(len(a))) == b.fields(range(len(b))) and a.labels.tolist() == b.labels.tolist()
     for k, p in runs["files"].params.items():
         assert torch.equal(p, runs["hub"].params[k]), k
+
+
+def test_the_hub_recipe_without_the_cache_refuses_in_one_line_that_says_what_to_do(tmp_path):
+    """Offline with an empty cache (HF_HOME and HF_DATASETS_CACHE in tmp), `dpreg validate` of the
+    hub recipe exits 2 with one line, no traceback; doing what the line says (save_to_disk where
+    there is internet, then data.path in place of data.hub) gives a run of the same rows."""
+    import subprocess
+    import sys
+
+    import datasets
+
+    env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "HF_DATASETS_CACHE": str(tmp_path / "home" / "datasets"),
+           "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, "-m", "dpregistry", "validate", str(HUB_RECIPE)], capture_output=True,
+                         text=True, env=env)
+    assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res.stderr
+    line = res.stderr
+    assert line.startswith(f"error: {HUB_RECIPE}:10: objective.data.hub: data set '{HUB_ID}' is not in the local "
+                           "Hugging Face cache"), line
+    assert f"datasets.load_dataset('{HUB_ID}').save_to_disk('DIR')" in line
+    assert "--set data.hub=null --set data.path=DIR" in line and "Traceback" not in line
+    assert not (tmp_path / "home" / "datasets").exists() or not any((tmp_path / "home" / "datasets").rglob("*.arrow"))
+    # what the line says, with the rows the hub serves
+    saved = tmp_path / "DIR"
+    datasets.DatasetDict({"train": sst2_dataset("train.tsv"), "validation": sst2_dataset("test.tsv")}).save_to_disk(saved)
+    run = make_run(HUB_RECIPE, sets=TINY + ["data.hub=null", f"data.path={saved}"])
+    want = make_run(RECIPES / "minilm_sst2_dp_adam.yaml", sets=TINY + [f"data.path={SST2_SUBSET}"])
+    a, b = run.objective.train_tok.table, want.objective.train_tok.table
+    assert a.fields(range(len(a))) == b.fields(range(len(b))) and a.labels.tolist() == b.labels.tolist()
 
 
 def test_a_hub_data_set_refuses_what_it_cannot_give(hub_cache):
@@ -420,3 +453,155 @@ def test_a_text_objective_tokenises_a_step_s_batch_not_the_data_set(sst2_dir):
     with torch.no_grad():
         want = torch.nn.functional.cross_entropy(obj._logits(ids, mask).float(), obj.y_train[idx], reduction="none")
     assert torch.allclose(losses, want, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# users (privacy.unit: user): a user id column, or the public rule rows_per_user
+# ------------------------------------------------------------------------------------------
+
+SPEAKERS = ["ann", "bo", "cy", "dee", "ed", "flo", "gus"]
+
+
+def speaker_of(i: int) -> str:
+    """An irregular assignment: users' rows are interleaved, and their numbers of rows differ."""
+    return SPEAKERS[(i * i + 3 * i) % 7 if i % 5 else (i // 5) % 7]
+
+
+def first_appearance(values: list) -> list[int]:
+    """Each value's number in the order values first appear (what data.user promises)."""
+    seen: dict = {}
+    return [seen.setdefault(v, len(seen)) for v in values]
+
+
+def write_user_formats(folder: Path, rows: list[tuple[str, str]]) -> dict[str, dict]:
+    """The rows with a user column in every format: name -> TextData keys that read them."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    users = [speaker_of(i) for i in range(len(rows))]
+    (folder / "u.tsv").write_text("speaker\tsentence\tlabel\n" + "".join(
+        f"{u}\t{s}\t{y}\n" for u, (s, y) in zip(users, rows)))
+    with open(folder / "u.csv", "w", encoding="utf-8", newline="") as f:
+        csv.writer(f).writerows([("sentence", "label", "speaker"), *((s, y, u) for u, (s, y) in zip(users, rows))])
+    (folder / "bare.tsv").write_text("".join(f"{s}\t{y}\t {u}\n" for u, (s, y) in zip(users, rows)))  # " ann"
+    number = {u: 1000 - 7 * k for k, u in enumerate(SPEAKERS)}  # numeric ids, not in first-appearance order
+    (folder / "u.jsonl").write_text("".join(json.dumps({"sentence": s, "label": int(y), "speaker": number[u]}) + "\n"
+                                            for u, (s, y) in zip(users, rows)))
+    pq.write_table(pa.table({"speaker": [number[u] for u in users], "sentence": [s for s, _ in rows],
+                             "label": [int(y) for _, y in rows]}), folder / "u.parquet")
+    datasets.Dataset.from_dict({"sentence": [s for s, _ in rows], "label": [y for _, y in rows],
+                                "speaker": users}).save_to_disk(folder / "u_saved")
+    return {"tsv": {"train": "u.tsv"}, "csv": {"train": "u.csv"}, "jsonl": {"train": "u.jsonl"},
+            "parquet": {"train": "u.parquet"}, "save_to_disk": {"train": "u_saved"},
+            "tsv without a header, by position": {"train": "bare.tsv", "header": False, "text": 0, "label": 1,
+                                                  "user": 2}}
+
+
+def test_a_user_column_of_any_format_numbers_users_in_order_of_first_appearance(tmp_path):
+    """TSV, CSV, JSON Lines and Parquet (numeric ids), header-less TSV (the column by position, its
+    cells padded) and a save_to_disk folder: each example's user id is its user's number in order of
+    first appearance in the file, and a k-shot draw keeps each drawn row's own id."""
+    from dpregistry.data import TextData
+
+    rows = sst2_rows("train.tsv")[:120]
+    want = first_appearance([speaker_of(i) for i in range(len(rows))])
+    assert sorted(set(want)) == list(range(7)) and want[:3] == [0, 1, 2]
+    for name, keys in write_user_formats(tmp_path, rows).items():
+        keys = {"path": str(tmp_path), "test": keys["train"], "labels": ["0", "1"], "user": "speaker", **keys}
+        train, test = TextData(**keys).load()
+        assert train.users.dtype == np.int64 and train.users.tolist() == want, name
+        assert test.users is None  # users are the training data's
+        shot = TextData(**keys, k_per_class=10, seed=1).load()[0]
+        assert len(shot) == 20 and shot.users.tolist() == [want[r] for r in shot.index.tolist()], name
+
+
+def test_rows_per_user_is_a_public_rule_of_the_row_before_the_k_shot_draw(tmp_path):
+    """data.rows_per_user: N: user = row // N of the training file, the same whatever the labels
+    and texts hold; after the k-shot draw (which looks at labels) each example keeps its row's user."""
+    from dpregistry.data import TextData
+
+    rows = sst2_rows("train.tsv")[:100]
+    (tmp_path / "a.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows))
+    rng = random.Random(0)
+    (tmp_path / "b.tsv").write_text("sentence\tlabel\n" + "".join(f"other {i}\t{rng.choice('01')}\n"
+                                                                   for i in range(100)))
+    tables = [TextData(path=str(tmp_path), train=f, test=f, labels=["0", "1"], rows_per_user=7).load()[0]
+              for f in ("a.tsv", "b.tsv")]
+    assert tables[0].users.tolist() == tables[1].users.tolist() == [r // 7 for r in range(100)]
+    shot = TextData(path=str(tmp_path), train="a.tsv", test="a.tsv", labels=["0", "1"], rows_per_user=7,
+                    k_per_class=9, seed=4).load()[0]
+    assert shot.users.tolist() == [r // 7 for r in shot.index.tolist()]
+    assert shot.users.tolist() != sorted(shot.users.tolist())  # the draw's order, not the file's
+
+
+def test_a_hub_data_set_gives_users_from_its_column(hub_cache):
+    from dpregistry.data import TextData
+
+    train = TextData(hub=HUB_ID, test="validation", user="idx", k_per_class=16, seed=2).load()[0]
+    assert train.users.tolist() == train.index.tolist()  # idx 0, 1, 2, ...: the i-th id to appear is i
+
+
+def user_recipe(folder: Path, sampler: dict, **data) -> dict:
+    return {"seed": 0, "algorithm": "dp_adam",
+            "objective": {"name": "hf_text_classification", "model": {"path": "minilm", "max_length": 16},
+                          "data": {"path": str(folder), "train": "u.tsv", "test": "u.tsv", "labels": ["0", "1"],
+                                   **data}},
+            "sampler": sampler, "privatizer": {"clip": 1.0, "noise_multiplier": "auto"}, "update": {"lr": 1e-3},
+            "privacy": {"epsilon": 6.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 4,
+                        "noise": "reproducible"},
+            "train": {"steps": 1, "progress": False, "log_every": 1000}}
+
+
+def test_a_tsv_user_column_trains_uls_and_els_with_each_example_under_its_user(tmp_path):
+    """privacy.unit: user with data.user on a TSV: the run's users are the file's speakers, each
+    user's selected records (at most k = 4) are rows of that speaker; ULS (user_poisson) samples
+    users at rate users_per_step / 7 and ELS trains example-level on the selected rows with group
+    privacy of size 4."""
+    rows = sst2_rows("train.tsv")[:120]
+    write_user_formats(tmp_path, rows)
+    speakers = [speaker_of(i) for i in range(len(rows))]
+    numbers = first_appearance(speakers)
+    uls = make_run(user_recipe(tmp_path, {"name": "user_poisson", "users_per_step": 3}, user="speaker"), tmp_path)
+    assert uls.objective.provide(UserIds).ids.tolist() == numbers
+    assert uls.users.n_users == 7 and uls.sampler.q == pytest.approx(3 / 7)
+    held = Counter(speakers)  # 3 to 32 rows each: gus holds fewer than k
+    assert min(held.values()) < 4 < max(held.values())
+    for u in range(7):
+        members = uls.users.records_of(torch.tensor([u])).tolist()
+        who = speakers[numbers.index(u)]
+        assert len(members) == min(4, held[who]) and {speakers[r] for r in members} == {who}
+    s = uls.train()
+    assert s["unit"] == "user" and s["users"] == 7 and s["user_mechanism"] == "uls" and s["epsilon"] <= 6.0
+    assert uls.accountant.ledger.to_json()[0]["event"]["q"] == pytest.approx(3 / 7)
+
+    els = make_run(user_recipe(tmp_path, {"name": "poisson", "batch_size": 8}, user="speaker"), tmp_path)
+    assert els.group == 4 and els.n_train == sum(min(4, c) for c in held.values())
+    assert torch.equal(els.users.members, uls.users.members)  # the same public selection
+    s = els.train()
+    assert s["user_mechanism"] == "els" and s["users"] == 7 and s["epsilon"] <= 6.0 * (1 + 1e-9)
+    assert s["epsilon"] == pytest.approx(4 * s["example_level"]["epsilon"])
+
+
+def test_a_user_level_text_run_without_users_is_told_to_set_data_user(tmp_path):
+    from dpregistry.errors import UserError
+
+    write_user_formats(tmp_path, sst2_rows("train.tsv")[:40])
+    with pytest.raises(UserError) as e:
+        make_run(user_recipe(tmp_path, {"name": "user_poisson", "users_per_step": 3}), tmp_path)
+    assert e.value.key == "objective.data.user" and e.value.line is not None  # at the data section it belongs in
+    assert "name the user id column with data.user" in str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="data.user .* or data.rows_per_user .*, not both"):
+        make_run(user_recipe(tmp_path, {"name": "poisson", "batch_size": 8}, user="speaker", rows_per_user=3),
+                 tmp_path)
+    with pytest.raises(UserError, match=r"u\.tsv:1: column 'user' is missing \(columns: speaker, sentence, label\)"):
+        make_run(user_recipe(tmp_path, {"name": "poisson", "batch_size": 8}, user="user"), tmp_path)
+    (tmp_path / "u.tsv").write_text("speaker\tsentence\tlabel\nann\tgood\t1\n \tbad\t0\n")
+    with pytest.raises(UserError, match=r"u\.tsv:3: no user in column 'speaker'"):
+        make_run(user_recipe(tmp_path, {"name": "poisson", "batch_size": 8}, user="speaker"), tmp_path)
+    # rows_per_user: synthetic users, 40 rows // 5 = 8 users
+    run = make_run(user_recipe(tmp_path, {"name": "user_poisson", "users_per_step": 3}, test="bare.tsv",
+                               train="bare.tsv", header=False, text=0, label=1, rows_per_user=5), tmp_path)
+    assert run.users.n_users == 8 and run.objective.provide(UserIds).ids.tolist() == [r // 5 for r in range(40)]

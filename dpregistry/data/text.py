@@ -269,16 +269,17 @@ class TextTable:
 
     ``len(table)`` examples; ``table.labels[i]`` is example i's index into ``label_names``;
     ``table.fields(indices)`` its text fields (a tuple per example, in the order of the text
-    columns)."""
+    columns); ``table.users[i]`` its user id, where the data set has users (None otherwise)."""
 
     def __init__(self, rows, columns: list[str], labels: np.ndarray, label_names: list[str], source: Source,
-                 index: np.ndarray | None = None):
+                 index: np.ndarray | None = None, users: np.ndarray | None = None):
         self.rows = rows            # a datasets.Dataset of the text columns (memory-mapped)
         self.columns = columns
         self.labels = labels        # int64, one per example
         self.label_names = label_names
         self.source = source
         self.index = index          # the rows of the examples (None: every row, in order)
+        self.users = users          # int64, one per example, or None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -296,7 +297,8 @@ class TextTable:
         """The examples at ``positions``, in that order."""
         pos = np.asarray(positions, dtype=np.int64)
         rows = pos if self.index is None else self.index[pos]
-        return TextTable(self.rows, self.columns, self.labels[pos], self.label_names, self.source, rows)
+        users = None if self.users is None else self.users[pos]
+        return TextTable(self.rows, self.columns, self.labels[pos], self.label_names, self.source, rows, users)
 
 
 def _column(rows, col: Column, source: Source, what: str) -> str:
@@ -366,12 +368,16 @@ def _label_values(rows, col: str, source: Source):
 
 
 def make_table(rows, *, text_columns: list[str | int], label_column: str | int, labels: list[str] | None,
-               source: Source, paired_with: str | None = None, label_names: list[str] | None = None) -> TextTable:
+               source: Source, paired_with: str | None = None, label_names: list[str] | None = None,
+               user_column: Column | None = None, rows_per_user: int | None = None) -> TextTable:
     """A :class:`TextTable` of ``rows`` (a ``datasets.Dataset``).
 
     The label order is ``label_names`` (another split's), else ``labels`` (the recipe's), else the
     data set's ClassLabel names, else the sorted labels found, unless ``paired_with`` (the key of
-    descriptions or label words that pair with the labels by position): then guessing is refused."""
+    descriptions or label words that pair with the labels by position): then guessing is refused.
+
+    Users (``privacy.unit: user``): the ``user_column``'s values numbered in order of first
+    appearance, or the public rule user = row // ``rows_per_user`` (rows of ``rows``, in order)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -380,7 +386,8 @@ def make_table(rows, *, text_columns: list[str | int], label_column: str | int, 
         raise source.error("the data file is empty: it holds no examples")
     cols = [_column(rows, c, source, "text") for c in text_columns]
     label = _column(rows, label_column, source, "label")
-    _check_cells(rows, cols + [label], source)
+    user = None if user_column is None else _column(rows, user_column, source, "user")
+    _check_cells(rows, cols + [label] + ([user] if user is not None else []), source)
     values, class_names = _label_values(rows, label, source)
     if class_names is None and pc.any(pc.equal(values, "")).as_py():
         raise source.error("the label is empty", int(pc.index(values, "").as_py()))
@@ -409,7 +416,28 @@ def make_table(rows, *, text_columns: list[str | int], label_column: str | int, 
                                "one)", first)
         raise source.error(f"label {value!r} is not one of the declared labels {label_names}", first)
     y = np.asarray(y.to_numpy(zero_copy_only=False), dtype=np.int64)
-    return TextTable(rows.select_columns(list(dict.fromkeys(cols))), cols, y, list(label_names), source)
+    users = _user_ids(rows, user, source) if user is not None else \
+        np.arange(len(rows), dtype=np.int64) // rows_per_user if rows_per_user is not None else None
+    return TextTable(rows.select_columns(list(dict.fromkeys(cols))), cols, y, list(label_names), source,
+                     users=users)
+
+
+def _user_ids(rows, col: str, source: Source) -> np.ndarray:
+    """The user column's values as int64 ids 0, 1, ... in order of first appearance (any text or
+    number; text is stripped, as labels are, so that "ann" and "ann " are one user)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    column = rows.data.column(col)
+    if pa.types.is_nested(column.type) or pa.types.is_binary(column.type):
+        raise source.error(f"user column {col!r} holds {column.type} values; a user id is a text or a number")
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        column = pc.utf8_trim_whitespace(column)
+        if pc.any(pc.equal(column, "")).as_py():
+            raise source.error(f"no user in column {col!r}", int(pc.index(column, "").as_py()))
+    # Arrow's hash kernel lists distinct values in the order it meets them
+    ids = pc.index_in(column, value_set=pc.unique(column))
+    return np.asarray(ids.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
 def k_shot(table: TextTable, k: int, seed: int) -> TextTable:
@@ -487,6 +515,12 @@ class TextData(BaseModel):
     * ``hub``: a data set on the Hugging Face hub (``subset``: its configuration), loaded with
       ``datasets.load_dataset`` and cached; ``train`` and ``test`` name its splits.
 
+    Users, for ``privacy.unit: user``: ``user`` names the training data's user id column (any text
+    or number; ids are numbered in order of first appearance). A data set without users may take
+    the public synthetic rule ``rows_per_user: N``: the user of row r of the training data is
+    r // N, counted before ``k_per_class`` draws from it (the draw looks at labels; the rule must
+    not), so that a user's rows are N neighbours in the file whatever the few-shot draw keeps.
+
     An objective's ``Params`` declares ``data: TextData = Field(default_factory=TextData)`` and
     calls :meth:`load` where it wants data errors reported (keys are relative to the objective's
     section: ``data.path``)."""
@@ -504,6 +538,10 @@ class TextData(BaseModel):
     label: Column = "label"
     labels: list[str | int] | None = Field(default=None, description="the labels, in order (label index i is "
                                                                      "labels[i])")
+    user: Column | None = Field(default=None, description="privacy.unit: user: the user id column of the training "
+                                                          "data (a name or a position)")
+    rows_per_user: int | None = Field(default=None, gt=0, description="no user column: the public rule user = row "
+                                      "// rows_per_user of the training data, before k_per_class draws from it")
     k_per_class: int | None = Field(default=None, gt=0)
     seed: int = 42
     max_test: int | None = Field(default=None, gt=0)
@@ -514,6 +552,8 @@ class TextData(BaseModel):
             raise ValueError("give data.path (local files) or data.hub (a hub data set), not both")
         if self.subset is not None and self.hub is None:
             raise ValueError("data.subset is the configuration of a hub data set; it needs data.hub")
+        if self.user is not None and self.rows_per_user is not None:
+            raise ValueError("give data.user (a user id column) or data.rows_per_user (synthetic users), not both")
         return self
 
     @property
@@ -585,7 +625,8 @@ class TextData(BaseModel):
             (train_rows, train_src), (test_rows, test_src) = self._file("train"), self._file("test")
         cols = self.columns_of_text
         train = make_table(train_rows, text_columns=cols, label_column=self.label, labels=labels, source=train_src,
-                           paired_with=pairs[0] if pairs is not None else None)
+                           paired_with=pairs[0] if pairs is not None else None, user_column=self.user,
+                           rows_per_user=self.rows_per_user)
         test = make_table(test_rows, text_columns=cols, label_column=self.label, labels=labels, source=test_src,
                           label_names=train.label_names)
         if pairs is not None:
@@ -595,6 +636,19 @@ class TextData(BaseModel):
         if self.max_test:
             test = test.select(range(min(self.max_test, len(test))))
         return train, test
+
+
+def user_ids(train: TextTable):
+    """The :class:`~dpregistry.users.UserIds` of a training table, for an objective that provides
+    them (``privacy.unit: user``)."""
+    import torch
+
+    from ..users import UserIds
+
+    if train.users is None:
+        raise UserError("privacy.unit: user needs the user of each training example: name the user id column with "
+                        "data.user (or, for a data set without users, set data.rows_per_user: N)", key="data.user")
+    return UserIds(torch.from_numpy(train.users))
 
 
 def _pair(label_names: list[str], key: str, texts: list[str] | None) -> None:
@@ -625,5 +679,5 @@ def how_to_provide(hub: str, subset: str | None = None) -> str:
     args = ", ".join(map(repr, [hub] + ([subset] if subset else [])))
     return (f"data set {hub!r} is not in the local Hugging Face cache and the hub cannot be reached (HF_HUB_OFFLINE "
             f"or no network). On a machine with internet run `python -c \"import datasets; "
-            f"datasets.load_dataset({args}).save_to_disk('DIR')\"`, copy DIR here and set data.path=DIR (or run "
-            f"load_dataset there with the same HF_HOME and copy that cache)")
+            f"datasets.load_dataset({args}).save_to_disk('DIR')\"`, copy DIR here and give data.path: DIR in place of "
+            f"data.hub (--set data.hub=null --set data.path=DIR), or copy that machine's HF_HOME cache here")

@@ -10,10 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from dpregistry import StageParams
-from dpregistry.data import Encoded, TextData, load_tabular
+from dpregistry.data import Encoded, TextData, load_tabular, user_ids
 from dpregistry.progress import track
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, require_memory, seeded
 from dpregistry.stages import Objective
+from dpregistry.users import UserIds
 
 
 class _Sub(BaseModel):
@@ -143,6 +144,10 @@ class HFTextClassification(TorchObjective):
 
     name = "hf_text_classification"
     Params = HFTextParams
+    provides = (UserIds,)  # privacy.unit: user, from data.user or data.rows_per_user
+
+    def provide(self, kind):
+        return user_ids(self.train_tok.table)
 
     def build(self, ctx):
         from transformers import AutoConfig, AutoModel, AutoTokenizer

@@ -36,9 +36,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dpregistry import StageParams, UserError
-from dpregistry.data import Encoded, TextData
+from dpregistry.data import Encoded, TextData, user_ids
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, seeded
 from dpregistry.progress import track
+from dpregistry.users import UserIds
 
 CONFIGS = Path(__file__).with_name("configs")
 #: names (and hub ids) whose architecture ships with the plugin, as small JSON configs
@@ -215,6 +216,10 @@ class PromptLM(TorchObjective):
     Params = PromptParams
     masked: bool = False
     default_template: str = ""
+    provides = (UserIds,)  # privacy.unit: user, from data.user or data.rows_per_user
+
+    def provide(self, kind):
+        return user_ids(self.train_tok.table)
 
     # -- build ----------------------------------------------------------------------------
 
