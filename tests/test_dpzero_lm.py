@@ -192,6 +192,29 @@ def test_text_objectives_share_dpregistry_text_data(tmp_path):
     assert e.value.key == "data.path"
 
 
+@pytest.mark.parametrize("data", [{"user": "who"}, {"rows_per_user": 3}])
+def test_prompt_objectives_give_the_users_of_a_user_level_dpzero_run(tiny, tmp_path, data):
+    """DPZero at the user level (ULS) on a prompt objective: the users come from data.user (ids in
+    order of first appearance) or data.rows_per_user (row // N), and the run samples users."""
+    from dpregistry.users import UserIds
+
+    who = ["kim", "lee", "kim", "max", "lee", "kim", "max", "ola"]
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\twho\n" + "".join(
+        f"{s}\t{y}\t{u}\n" for (s, y), u in zip(SENTENCES, who)))
+    (tmp_path / "test.tsv").write_text((tiny / "data" / "test.tsv").read_text())
+    recipe = lm_recipe(tiny)
+    recipe["objective"]["data"] = {"path": str(tmp_path), "labels": ["0", "1"], **data}
+    recipe.update(sampler={"name": "user_poisson", "users_per_step": 2},
+                  privacy={"epsilon": 50.0, "delta": 0.01, "unit": "user", "max_examples_per_user": 2},
+                  train={"steps": 1, "log_every": 1000, "progress": False})
+    run = make_run(recipe, tmp_path)
+    want = [0, 1, 0, 2, 1, 0, 2, 3] if "user" in data else [r // 3 for r in range(8)]
+    assert run.objective.provide(UserIds).ids.tolist() == want
+    s = run.train()
+    assert s["unit"] == "user" and s["user_mechanism"] == "uls" and s["users"] == max(want) + 1
+    assert run.accountant.ledger.to_json()[0]["event"]["q"] == pytest.approx(2 / (max(want) + 1))
+
+
 def test_the_dpzero_plugin_imports_only_dpregistry():
     """Issue 15: a plugin uses dpregistry's public API, never another plugin's modules."""
     import ast
