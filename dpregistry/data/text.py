@@ -49,17 +49,21 @@ HINT_ROWS = 10_000
 @contextmanager
 def _quietly():
     """datasets logs what it caches and every read error at ERROR level, and draws progress bars;
-    a refusal is one line, so it is silent while it works (and restored after)."""
+    huggingface_hub logs each retry of an unreachable hub; a refusal is one line, so both are
+    silent while they work (and restored after)."""
     from datasets.utils import logging as dlog
     from datasets.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from huggingface_hub.utils import logging as hlog
 
-    level, bars_off = dlog.get_verbosity(), are_progress_bars_disabled()
+    levels, bars_off = (dlog.get_verbosity(), hlog.get_verbosity()), are_progress_bars_disabled()
     dlog.set_verbosity(dlog.CRITICAL)
+    hlog.set_verbosity(hlog.CRITICAL)
     disable_progress_bars()
     try:
         yield
     finally:
-        dlog.set_verbosity(level)
+        dlog.set_verbosity(levels[0])
+        hlog.set_verbosity(levels[1])
         if not bars_off:
             enable_progress_bars()
 
