@@ -178,6 +178,27 @@ def test_folders_written_by_save_to_disk_load_like_the_files(tmp_path):
             assert g.fields(range(len(g))) == w.fields(range(len(w))) and g.labels.tolist() == w.labels.tolist()
 
 
+def test_a_saved_folder_with_a_fifo_is_refused_before_it_blocks(tmp_path):
+    """datasets opens a saved folder's files by name: a FIFO among them (a Dataset's own folder, or
+    a DatasetDict's split folder) would block the run; it is refused, naming the key."""
+    import datasets
+
+    from dpregistry.data import TextData
+    from dpregistry.errors import UserError
+
+    ds = sst2_dataset("test.tsv")
+    ds.save_to_disk(tmp_path / "one" / "train_set")
+    datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(tmp_path / "dict")
+    os.mkfifo(tmp_path / "one" / "train_set" / "extra.arrow")
+    os.mkfifo(tmp_path / "dict" / "test" / "extra.arrow")
+    with pytest.raises(UserError, match=r"extra\.arrow is not a regular file") as e:
+        TextData(path=str(tmp_path / "one"), train="train_set", test="train_set").load()
+    assert e.value.key == "data.train"
+    with pytest.raises(UserError, match=r"test/extra\.arrow is not a regular file") as e:
+        TextData(path=str(tmp_path / "dict")).load()
+    assert e.value.key == "data.path"
+
+
 # ------------------------------------------------------------------------------------------
 # local files: formats and headers
 # ------------------------------------------------------------------------------------------
