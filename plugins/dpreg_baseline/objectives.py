@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from dpregistry import StageParams, UserError
@@ -106,10 +106,19 @@ class HFModel(_Sub):
     init: Literal["pretrained", "random"] = "pretrained"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     max_length: int = Field(default=128, gt=0)
-    pooling: Literal["mean", "cls"] = "mean"
+    pooling: Literal["mean", "cls", "transformers"] = Field(
+        default="mean", description="mean or cls: that pooling and a linear head; transformers: the architecture's "
+                                    "own sequence-classification head, which `dpreg export` writes as it is")
     head_init: Literal["random", "label_descriptions"] = "random"
     label_descriptions: list[str] | None = None
     head_scale: float = Field(default=20.0, gt=0, description="logit scale of a label-description head")
+
+    @model_validator(mode="after")
+    def _descriptions_need_a_linear_head(self):
+        if self.pooling == "transformers" and self.head_init == "label_descriptions":
+            raise ValueError("head_init: label_descriptions needs pooling: mean or cls (its head reads normalised "
+                             "features, which a transformers sequence-classification head does not)")
+        return self
 
 
 class HFTextParams(StageParams):
@@ -139,7 +148,8 @@ class Encoder(nn.Module):
 
 
 class HFTextClassification(TorchObjective):
-    """A Hugging Face encoder (default: the packaged MiniLM) with a pooled linear head, on a text table."""
+    """A Hugging Face encoder (default: the packaged MiniLM) with a pooled linear head, or with the
+    architecture's own sequence-classification head (``pooling: transformers``), on a text table."""
 
     name = "hf_text_classification"
     Params = HFTextParams
@@ -154,20 +164,41 @@ class HFTextClassification(TorchObjective):
         self.n_train = len(train.labels)
         self.label_names = train.label_names
         mdir = resolve_model_dir(p.model.path, need_weights=p.model.init == "pretrained")
+        self.model_dir = mdir
         self.tokenizer = AutoTokenizer.from_pretrained(mdir)
         dtype = DTYPES[p.model.dtype]
         with seeded(ctx.rng.seed("init", 0)):
-            if p.model.init == "pretrained":
-                enc = AutoModel.from_pretrained(mdir, dtype=dtype)
+            if p.model.pooling == "transformers":
+                self.model = self._sequence_classifier(mdir, dtype).to(ctx.device, dtype)
             else:
-                enc = AutoModel.from_config(AutoConfig.from_pretrained(mdir), dtype=dtype)
-            self.model = Encoder(enc, len(self.label_names), p.model.pooling).to(ctx.device, dtype)
+                if p.model.init == "pretrained":
+                    enc = AutoModel.from_pretrained(mdir, dtype=dtype)
+                else:
+                    enc = AutoModel.from_config(AutoConfig.from_pretrained(mdir), dtype=dtype)
+                self.model = Encoder(enc, len(self.label_names), p.model.pooling).to(ctx.device, dtype)
         self.train_tok = self._tokenize(train.texts)
         self.y_train = torch.tensor(train.labels, device=ctx.device)
         self.test_tok = self._tokenize(test.texts)
         self.y_test = torch.tensor(test.labels, device=ctx.device)
         if p.model.head_init == "label_descriptions":
             self._init_head_from_descriptions()
+
+    def _sequence_classifier(self, mdir: str, dtype):
+        """The architecture's own head (AutoModelForSequenceClassification), its labels named as the data's."""
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        if self.tokenizer.pad_token_id is None:  # padding would be read as a real token by a last-token head
+            raise UserError("pooling: transformers needs a tokenizer with a padding token", key="model.pooling")
+        names = [str(n) for n in self.label_names]
+        config = AutoConfig.from_pretrained(mdir, num_labels=len(names), id2label=dict(enumerate(names)),
+                                            label2id={n: i for i, n in enumerate(names)})
+        try:
+            if self.cfg.model.init == "pretrained":
+                return AutoModelForSequenceClassification.from_pretrained(mdir, config=config, dtype=dtype)
+            return AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+        except ValueError as e:  # a model type that has no such head
+            raise UserError(f"{self.cfg.model.path!r} has no transformers sequence-classification head "
+                            f"({str(e).splitlines()[0][:200]}); use pooling: mean or cls", key="model.pooling") from None
 
     def _tokenize(self, texts):
         if not texts:
@@ -200,6 +231,8 @@ class HFTextClassification(TorchObjective):
         self._normalize_features = True
 
     def _logits(self, ids, mask):
+        if self.cfg.model.pooling == "transformers":
+            return self.model(input_ids=ids, attention_mask=mask).logits
         if getattr(self, "_normalize_features", False):
             feats = F.normalize(self.model.pool(ids, mask), dim=-1)
             return self.model.head(feats)
