@@ -144,6 +144,26 @@ class OwnObjective(TorchObjective):
                 sums[name] = sums.get(name, 0.0) + total
         return {k: v / n for k, v in sums.items()}
 
+    def export(self, folder, *, merge: bool = False):
+        """Your model as it is, when it is a transformers model (``save_pretrained``): the same
+        module, so the same function of its inputs. A plain torch module is no architecture that
+        transformers knows how to load."""
+        import sys
+
+        from .export import MODEL_DIR, ModelExport
+
+        transformers = sys.modules.get("transformers")  # a transformers model has imported it
+        if transformers is None or not isinstance(self.model, transformers.PreTrainedModel):
+            raise UserError(f"your model is a plain torch module ({type(self.model).__name__}), which transformers "
+                            f"cannot load; save result.model's state_dict with safetensors instead")
+        if merge:
+            raise UserError("--merge: dpregistry merges only the LoRA adapters of its own objectives")
+        self.model.save_pretrained(folder)
+        arch = type(self.model).__name__
+        return ModelExport(what=f"{arch} (your own model and loss)", usage=f"""from transformers import {arch}
+
+model = {arch}.from_pretrained("{MODEL_DIR}").eval()  # preprocess its inputs as your training data was""")
+
 
 def _to(batch: Any, device) -> Any:
     if isinstance(batch, torch.Tensor):

@@ -256,6 +256,52 @@ class HFTextClassification(TorchObjective):
         n = max(len(self.test_tok), 1)
         return {"accuracy": correct / n, "loss": loss / n}
 
+    def export(self, folder, *, merge: bool = False):
+        """The model as it is, when it is transformers' own sequence classifier (pooling:
+        transformers). A pooled linear head (mean or cls pooling, normalised features) is no
+        transformers architecture: no model that transformers loads computes it exactly, so it is
+        refused rather than approximated."""
+        from transformers import AutoTokenizer
+
+        from dpregistry.export import MODEL_DIR, ModelExport
+        from dpregistry.hf import hub_id
+
+        m = self.cfg.model
+        if m.pooling != "transformers":
+            head = "normalised features and a linear head" if getattr(self, "_normalize_features", False) \
+                else "a linear head"
+            raise UserError(f"pooling: {m.pooling} with {head} is not a transformers architecture, so no model that "
+                            f"transformers loads computes it exactly; to export, train with pooling: transformers "
+                            f"(the architecture's own sequence-classification head)", key="model.pooling")
+        if merge:
+            raise UserError("--merge: this model has no LoRA adapters to merge")
+        self.model.save_pretrained(folder)
+        # The run never passed token types (BERT's second segment saw type 0) and truncated at
+        # max_length: the exported tokenizer does the same by default.
+        tok = AutoTokenizer.from_pretrained(self.model_dir, model_max_length=m.max_length,
+                                            model_input_names=["input_ids", "attention_mask"])
+        tok.save_pretrained(folder)
+        cols = self.cfg.data.columns
+        inputs = "texts" if len(cols) == 1 else "firsts, seconds"
+        examples = 'texts = ["a gripping, beautifully made film"]' if len(cols) == 1 else \
+            "firsts, seconds = [...], [...]  # the two text fields of each example"
+        return ModelExport(
+            what=f"{type(self.model).__name__}, a text classifier of the labels {', '.join(map(str, self.label_names))}",
+            pipeline_tag="text-classification",
+            base_model=hub_id(m.path) if m.init == "pretrained" else None,
+            details={"labels": [str(n) for n in self.label_names], "text_columns": cols,
+                     "max_length": m.max_length},
+            usage=f"""import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{MODEL_DIR}")
+model = AutoModelForSequenceClassification.from_pretrained("{MODEL_DIR}").eval()
+{examples}
+batch = tokenizer({inputs}, padding=True, truncation=True, return_tensors="pt")
+with torch.no_grad():
+    predicted = model(**batch).logits.argmax(-1)
+print([model.config.id2label[int(i)] for i in predicted])""")
+
 
 # ------------------------------------------------------------------------------------------
 # synthetic quadratic (DPZero §5.1)
