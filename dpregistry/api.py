@@ -78,7 +78,7 @@ class Result:
         run = self.run
         if run.comm.rank != 0:
             return Path(to)
-        privacy = guarantee(run.recipe.data, run.accountant, run.step, run.privatizer.noise_multiplier)
+        privacy = guarantee(self.summary, run.recipe.data, self.ledger, run.accountant.notion)
         return export_objective(run.objective, to, recipe=run.recipe, privacy=privacy, metrics=self.metrics,
                                 merge=merge, overwrite=overwrite, keep_out=self.run_dir)
 

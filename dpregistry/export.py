@@ -15,9 +15,11 @@ Only a model that computes what the run trained is exported: each objective writ
 (:meth:`dpregistry.stages.Objective.export`) or refuses in one line, saying why. The folder is
 built beside DIR and renamed into place, so a refusal or a failure writes nothing.
 
-From a run folder, the guarantee is recomputed from the ledger of the newest valid checkpoint
-(checksummed), not read from ``summary.json``, and the parameters are those of
-``model.safetensors`` (the run's output), which must be of the same step.
+The card states the guarantee as the run did, recomputing nothing: ε, δ, the privacy unit, the
+noise mode and multiplier from the run's summary (``summary.json``), the sampling and the charges
+from its ledger (the newest valid checkpoint's, checksummed), the clip and the data set from its
+recipe. From a run folder, the parameters are those of ``model.safetensors`` (the run's output),
+and all three must be of the same step: only a finished run is exported.
 """
 
 from __future__ import annotations
@@ -57,32 +59,31 @@ class ModelExport:
 # the guarantee
 # ------------------------------------------------------------------------------------------------
 
-UNITS = {"example": "one training example (a person who contributed k examples is protected as a group of k, "
-                    "with a guarantee that weakens with k)",
-         "user": "one user: all the training examples of one user together"}
 NOTIONS = {"approx_dp": "(ε, δ)-DP", "rdp": "Rényi DP", "zcdp": "zero-concentrated DP"}
 RELATIONS = {"replace_one": "replace-one: the data sets differ in the content of one unit",
              "add_remove": "add/remove: one data set holds one more unit than the other"}
+#: what the guarantee is, as the run's summary states it (summary.json, Result.summary)
+STATED = ("epsilon", "delta", "target_epsilon", "rho", "target_rho", "accountant", "relation", "noise_multiplier",
+          "unit", "users", "max_examples_per_user", "user_mechanism", "example_level", "noise", "guarantee", "stopped")
 
 
-def guarantee(recipe: dict[str, Any], accountant, step: int, noise_multiplier: float | None) -> dict[str, Any]:
-    """The privacy guarantee of a model, from the accountant holding the run's ledger."""
+def guarantee(summary: dict[str, Any], recipe: dict[str, Any], ledger: list[dict[str, Any]],
+              notion: str | None) -> dict[str, Any]:
+    """The privacy guarantee of a model as its run stated it, recomputing nothing: ε, δ, the unit,
+    the noise mode and multiplier from the run's summary; the sampling and the charges from its
+    ledger; the clip and the data set from its resolved recipe."""
     from .privacy.events import PrivacyEvent
     from .rng import noise_statement
+    from .users import unit_statement
 
-    privacy = recipe.get("privacy") or {}
-    spent = accountant.spent()
-    ledger = accountant.ledger.to_json()
     events = [PrivacyEvent.from_dict(e["event"]) for e in ledger]
-    noise = privacy.get("noise", "secure")
+    stated = {k: summary.get(k) for k in STATED}
+    stated["unit"] = stated["unit"] or "example"  # runs from before user-level DP
     return {
-        "epsilon": spent.get("epsilon"), "delta": spent.get("delta"), "target_epsilon": spent.get("target_epsilon"),
-        "rho": spent.get("rho"), "target_rho": spent.get("target_rho"),
-        "accountant": accountant.name, "notion": accountant.notion,
-        "relation": privacy.get("relation", "replace_one"), "unit": privacy.get("unit", "example"),
-        "noise": noise, "noise_statement": noise_statement(noise), "guarantee": noise != "reproducible",
-        "steps": step, "sampling": sampling(events), "clip": (recipe.get("privatizer") or {}).get("clip"),
-        "noise_multiplier": noise_multiplier, "dataset": dataset_name(recipe),
+        **stated, "notion": notion, "steps": summary["step"],
+        "unit_statement": unit_statement(summary), "noise_statement": noise_statement(stated["noise"]),
+        "sampling": sampling(events), "clip": (recipe.get("privatizer") or {}).get("clip"),
+        "dataset": dataset_name(recipe),
         "charges": [dict(first_step=e["first_step"], last_step=e["last_step"], count=e["count"],
                          partition=e.get("partition"), event=ev.describe()) for e, ev in zip(ledger, events)],
     }
@@ -107,18 +108,24 @@ def sampling(events) -> list[str]:
 
 
 def dataset_name(recipe: dict[str, Any]) -> str:
-    """The training data as the recipe names it (a hub id, a shipped data set, or its files)."""
+    """The training data as the recipe names it: a hub id (with its subset), or its files."""
     obj = recipe.get("objective") or {}
     if isinstance(obj, dict) and obj.get("name") == "python":
         return "the train_data given to dpregistry.train"
     data = obj.get("data") if isinstance(obj, dict) else None
     if not isinstance(data, dict):
         return f"the data of objective {obj.get('name') if isinstance(obj, dict) else obj!r}"
-    for key in ("hub", "dataset", "name"):
-        if isinstance(data.get(key), str):
-            return data[key]
+    if isinstance(data.get("hub"), str):
+        return data["hub"] + (f" ({data['subset']})" if isinstance(data.get("subset"), str) else "")
     parts = [str(data[k]) for k in ("path", "train") if data.get(k)]
     return " / ".join(parts) or f"the data of objective {obj.get('name')!r}"
+
+
+def hub_dataset(recipe: dict[str, Any]) -> str | None:
+    """The hub data set id the recipe trains on, for the card's metadata."""
+    obj = recipe.get("objective")
+    data = obj.get("data") if isinstance(obj, dict) else None
+    return data.get("hub") if isinstance(data, dict) and isinstance(data.get("hub"), str) else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -217,36 +224,37 @@ def _replace(tmp: Path, to: Path) -> None:
 
 
 def export_run_folder(run_dir: str | Path, to: str | Path, *, merge: bool = False, overwrite: bool = False) -> Path:
-    """Export the model of a finished run folder (``dpreg export``)."""
-    from .privacy.accountant import Ledger, make_accountant
-
+    """Export the model of a finished run folder (``dpreg export``). An unfinished run is refused
+    rather than its latest checkpoint exported: a checkpoint holds the iterate, not the output an
+    update rule may choose, and the run has stated no guarantee and no held-out metrics for it."""
     from .folder import lock_holder
 
     run_dir = Path(run_dir)
     recipe = _stored_recipe(run_dir)
     if lock_holder(run_dir) is not None:
         raise UserError("a run is using this folder; export it once the run has finished", file=str(run_dir))
+    unfinished = f"the run has not finished; continue it with `dpreg resume {run_dir}`, then export"
     model_path = run_dir / "model.safetensors"
     if not model_path.is_file():
-        raise UserError("the run has no model.safetensors: it has not finished; continue it with "
-                        f"`dpreg resume {run_dir}`", file=str(run_dir))
+        raise UserError(f"no model.safetensors: {unfinished}", file=str(run_dir))
     try:
         tensors, model_meta = ckpt.read(model_path)
     except ckpt.CorruptCheckpoint as e:
         raise UserError(f"unreadable model ({e})", file=str(model_path)) from None
+    step = model_meta.get("step")
     if model_meta.get("recipe_hash") != recipe.hash:
         raise UserError("model.safetensors was written by another recipe than recipe.json's", file=str(model_path))
+    summary = _summary(run_dir)
+    if summary.get("step") != step or summary.get("recipe_hash") != recipe.hash:
+        raise UserError(f"no summary.json of the model's step {step}: {unfinished}", file=str(run_dir))
     found = ckpt.latest_valid(run_dir / "checkpoints", warn=lambda m: None)
     if found is None:
-        raise UserError("no readable checkpoint, so no ledger to state the guarantee from", file=str(run_dir))
+        raise UserError("no readable checkpoint, so no ledger to state the charges from", file=str(run_dir))
     _, meta, path = found
-    if meta.get("step") != model_meta.get("step") or meta.get("recipe_hash") != recipe.hash:
-        raise UserError(f"the newest valid checkpoint (step {meta.get('step')}) is not of the model's step "
-                        f"{model_meta.get('step')}; the ledger would not be the model's", file=str(path))
-    acc = make_accountant(recipe.data["accountant"], recipe.data["privacy"])
-    acc.ledger = Ledger.from_json(meta.get("ledger", []))
-    privacy = guarantee(recipe.data, acc, int(meta["step"]), meta.get("noise_multiplier"))
-    summary = _summary(run_dir, int(meta["step"]))
+    if meta.get("step") != step or meta.get("recipe_hash") != recipe.hash:
+        raise UserError(f"the newest valid checkpoint (step {meta.get('step')}) is not of the model's step {step}; "
+                        f"its ledger would not be the model's", file=str(path))
+    privacy = guarantee(summary, recipe.data, meta.get("ledger", []), recipe.stages["accountant"][0].cls.notion)
     objective = build_objective(recipe)
     load_params(objective, tensors, model_path)
     return export_objective(objective, to, recipe=recipe, privacy=privacy, metrics=summary.get("metrics"),
@@ -274,12 +282,11 @@ def _stored_recipe(run_dir: Path):
     return recipe
 
 
-def _summary(run_dir: Path, step: int) -> dict[str, Any]:
+def _summary(run_dir: Path) -> dict[str, Any]:
     from .report import _read_json
 
     path = run_dir / "summary.json"
-    summary = _read_json(path) if path.exists() else {}
-    return summary if summary.get("step") == step else {}
+    return _read_json(path) if path.is_file() else {}
 
 
 def build_objective(recipe):
@@ -327,9 +334,10 @@ def load_params(objective, tensors: dict[str, Any], source: Path) -> None:
 
 
 def _num(v: Any) -> str:
+    """A number as the run stated it, to the last digit (the card's table is read by programs too)."""
     if v is None:
         return "–"
-    return f"{v:.6g}" if isinstance(v, float) else str(v)
+    return repr(v) if isinstance(v, float) else str(v)
 
 
 def model_card(exported: ModelExport, recipe: dict[str, Any], recipe_hash: str, privacy: dict[str, Any],
@@ -342,9 +350,8 @@ def model_card(exported: ModelExport, recipe: dict[str, Any], recipe_hash: str, 
         front.append(f"pipeline_tag: {exported.pipeline_tag}")
     if exported.base_model:
         front.append(f"base_model: {json.dumps(exported.base_model)}")
-    if "/" in privacy["dataset"] and not privacy["dataset"].startswith((".", "/", "~")) \
-            and privacy["dataset"].count("/") == 1:
-        front.append(f"datasets: [{json.dumps(privacy['dataset'])}]")
+    if hub_dataset(recipe):
+        front.append(f"datasets: [{json.dumps(hub_dataset(recipe))}]")
     front += ["tags: [differential-privacy, dpregistry]", "---", ""]
     title = recipe.get("description") or f"{algorithm} on {(recipe.get('objective') or {}).get('name')}"
     lines = front + [f"# {title}", "", f"{exported.what}, trained with differential privacy by dpregistry "
@@ -367,29 +374,31 @@ def model_card(exported: ModelExport, recipe: dict[str, Any], recipe_hash: str, 
 def _privacy_section(p: dict[str, Any]) -> list[str]:
     lines = ["## Privacy guarantee", ""]
     if not p["guarantee"]:
-        lines += ["**The ε below is not a privacy guarantee.** " + p["noise_statement"][0].upper()
-                  + p["noise_statement"][1:] + ".", ""]
+        lines += [f"**NOT a privacy guarantee.** The noise is {p['noise_statement']}.", ""]
+    if p["stopped"]:
+        lines += [f"The run stopped early, at step {p['steps']}: {p['stopped']}.", ""]
     if p["epsilon"] is not None:
         head = f"(ε = {p['epsilon']:.4g}, δ = {p['delta']:g})-differential privacy"
     elif p["rho"] is not None:
         head = f"ρ = {p['rho']:.4g} zero-concentrated differential privacy"
     else:
-        head = "differential privacy as the ledger below states"
+        head = "Differential privacy as the ledger below states"
+    per_user = p["unit"] == "user" and p["user_mechanism"] == "uls"  # ELS clips examples, read as groups of k
+    budget = f" (budget {_num(p['target_epsilon'])})" if p.get("target_epsilon") is not None else ""
     lines += [f"{head} ({p['accountant']} accountant), for {p['unit']}-level neighbouring training data sets "
               f"({p['relation'].replace('_', '-')}). It covers the training data only: not the pretrained base "
               f"model's data, nor the held-out split the metrics use.", "",
               "| quantity | value |", "|---|---|",
-              f"| ε | {_num(p['epsilon'])}" + (f" (budget {p['target_epsilon']:g})" if p.get("target_epsilon") else "")
-              + " |", f"| δ | {_num(p['delta'])} |"]
+              f"| ε | {_num(p['epsilon'])}{budget} |", f"| δ | {_num(p['delta'])} |"]
     if p["rho"] is not None:
         lines.append(f"| ρ (zCDP) | {_num(p['rho'])} |")
     lines += [f"| accountant | {p['accountant']} ({NOTIONS.get(p['notion'], p['notion'])}) |",
               f"| neighbouring relation | {RELATIONS.get(p['relation'], p['relation'])} |",
-              f"| privacy unit | {UNITS.get(p['unit'], p['unit'])} |",
+              f"| privacy unit | {p['unit_statement']} |",
               f"| noise | {p['noise']}: {p['noise_statement']} |",
               f"| steps | {p['steps']} |",
               f"| sample rate | {', '.join(p['sampling']) or 'none: no amplification by sampling is claimed'} |",
-              f"| clip (per-{p['unit']} L2 norm) | {_num(p['clip'])} |",
+              f"| clip (per-{'user' if per_user else 'example'} L2 norm) | {_num(p['clip'])} |",
               f"| noise multiplier (noise std / clip) | {_num(p['noise_multiplier'])} |",
               f"| data set | {p['dataset']} |", ""]
     if p["charges"]:

@@ -190,7 +190,8 @@ class Objective(Stage):
         """Write the trained model into the empty ``folder`` as a Hugging Face model that computes
         exactly what this objective's model computes, and describe it (``dpreg export``; ``merge``:
         LoRA adapters merged into the base weights). Raise UserError saying why when it cannot."""
-        raise UserError(f"objective {self.name!r} has no export to Hugging Face transformers")
+        raise UserError(f"objective {self.name!r} has no transformers model to export (`dpreg export` writes "
+                        f"Hugging Face models: hf_text_classification, the prompt LMs, your own transformers model)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from test_core_cli import dpreg
 MINILM = {"seed": 0, "algorithm": "dp_adam",
           "objective": {"name": "hf_text_classification", "trainable": {"exclude": [r"embeddings\.word_embeddings"]}},
           "model": {"path": "minilm", "max_length": 32, "pooling": "transformers"},
-          "data": {"path": str(SST2_SUBSET), "k_per_class": 32},
+          "data": {"path": str(SST2_SUBSET), "k_per_class": 32, "max_test": 100},
           "sampler": {"name": "poisson", "batch_size": 16}, "privatizer": {"clip": 1.0, "noise_multiplier": "auto"},
           "update": {"lr": 2e-3}, "accountant": "rdp", "privacy": {"epsilon": 6.0, "delta": 1e-5},
           "train": {"steps": 3, "progress": False}}
@@ -46,16 +46,16 @@ PLAIN_ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TRANSFORMERS_VERBO
              "HOME": os.environ.get("HOME", "/tmp")}
 
 
-def fresh_python(code: str) -> dict:
-    """Run ``code`` in a new interpreter; it prints one JSON line. The modules it imported are
-    checked: nothing of dpregistry may be on the reload path."""
+def fresh_python(code: str) -> tuple[dict, list[str]]:
+    """Run ``code`` in a new interpreter: (the JSON line it printed, its other lines). The modules it
+    imported are checked: nothing of dpregistry may be on the reload path."""
     code += "\nimport sys as _s, json as _j\nprint(_j.dumps({'dpregistry_modules': [m for m in _s.modules if " \
             "m.startswith(('dpregistry', 'dpreg_'))]}))"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=PLAIN_ENV)
     assert res.returncode == 0, res.stderr
     lines = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert lines[-1] == {"dpregistry_modules": []}
-    return lines[0] if len(lines) > 1 else {}
+    return (lines[0] if len(lines) > 1 else {}), [line for line in res.stdout.splitlines() if not line.startswith("{")]
 
 
 RELOAD = """
@@ -64,7 +64,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 tokenizer = AutoTokenizer.from_pretrained({folder!r})
 model = AutoModelForSequenceClassification.from_pretrained({folder!r}).eval()
 with open({test!r}, newline="") as f:
-    rows = list(csv.DictReader(f, delimiter="\\t", quoting=csv.QUOTE_NONE))
+    rows = list(csv.DictReader(f, delimiter="\\t", quoting=csv.QUOTE_NONE))[:100]   # the run's data.max_test
 texts, labels = [r["sentence"].strip() for r in rows], [model.config.label2id[r["label"]] for r in rows]
 logits = []
 with torch.no_grad():
@@ -77,24 +77,44 @@ print(json.dumps({{"logits": logits, "predicted": predicted, "accuracy": accurac
 """
 
 
-def run_logits(objective) -> torch.Tensor:
-    """The run's own held-out logits (its tokenization, padding and batches of 128)."""
-    out = []
-    with torch.no_grad():
-        for s in range(0, len(objective.test_tok), 128):
-            out.append(objective._logits(*objective._pad(objective.test_tok[s:s + 128])).float())
-    return torch.cat(out)
+def run_logits(objective) -> tuple[torch.Tensor, dict]:
+    """The run's own held-out logits, as its evaluation computes them (its tokenization, padding and
+    batches), and the metrics of that evaluation."""
+    seen = []
+    own = objective._logits
+
+    def record(ids, mask):
+        seen.append(own(ids, mask).float())
+        return seen[-1]
+
+    objective._logits = record
+    try:
+        metrics = objective.evaluate()
+    finally:
+        del objective._logits
+    return torch.cat(seen), metrics
+
+
+def card_snippet(folder: Path) -> str:
+    return re.search(r"```python\n(.*?)```", (folder / "README.md").read_text(), re.S).group(1)
 
 
 def test_a_minilm_export_reloads_in_plain_transformers_with_the_runs_held_out_predictions(minilm):
+    """One fresh interpreter (plain transformers) evaluates the export on the held-out file and
+    then runs the model card's snippet as written."""
     result, folder = minilm
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md",
             "dpregistry.json"} <= {p.name for p in folder.iterdir()}
     assert not list(folder.parent.glob(".hf*"))  # no temporary folder left beside it
-    got = fresh_python(RELOAD.format(folder=str(folder), test=str(SST2_SUBSET / "test.tsv")))
-    assert len(got["predicted"]) == len(result.run.objective.y_test) == 300
+    snippet = card_snippet(folder)
+    assert "dpregistry" not in snippet and str(folder) in snippet
+    got, printed = fresh_python(RELOAD.format(folder=str(folder), test=str(SST2_SUBSET / "test.tsv"))
+                                + f"\nexec({snippet!r})")
+    assert printed in (["['0']"], ["['1']"])  # the snippet's prediction, a label of the data
+    mine, metrics = run_logits(result.run.objective)
+    assert metrics == result.metrics   # the evaluation the logits come from is the run's
+    assert len(got["predicted"]) == len(mine) == 100
     assert got["accuracy"] == result.metrics["accuracy"]
-    mine = run_logits(result.run.objective)
     assert got["predicted"] == mine.argmax(-1).tolist()
     assert torch.equal(torch.tensor(got["logits"], dtype=torch.float32), mine)   # the same function, bit for bit
     # the file holds the trained encoder, and the frozen word embeddings as the pretrained model has them
@@ -110,57 +130,55 @@ def test_a_minilm_export_reloads_in_plain_transformers_with_the_runs_held_out_pr
     assert torch.equal(saved[f"bert.{w}"], pretrained[w])
 
 
-def test_the_model_cards_snippet_runs_as_written(minilm):
-    _, folder = minilm
-    card = (folder / "README.md").read_text()
-    code = re.search(r"```python\n(.*?)```", card, re.S).group(1)
-    assert "dpregistry" not in code and str(folder) in code
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=PLAIN_ENV)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() in ("['0']", "['1']")
+CARD_ROWS = {"ε": "epsilon", "δ": "delta", "steps": "step", "noise multiplier (noise std / clip)": "noise_multiplier"}
 
 
-def test_the_model_card_states_the_guarantee_the_plan_gives(minilm):
-    """ε, δ, accountant, relation, unit, noise, steps, sample rate, clip, noise multiplier and data set,
-    against `dpreg privacy epsilon`'s independent accounting of the same Poisson-sampled plan."""
+def card_table(card: str) -> dict[str, str]:
+    """The privacy table's rows of a model card: quantity -> value."""
+    section = card.split("## Privacy guarantee", 1)[1].split("\n## ", 1)[0]
+    return dict(re.findall(r"^\| ([^|]+?) \| (.+) \|$", section, re.M))
+
+
+def assert_card_states_the_summary(card: str, summary: dict) -> None:
+    """The card's numbers are the run's, to the last digit."""
+    rows = card_table(card)
+    for quantity, key in CARD_ROWS.items():
+        assert float(rows[quantity].split(" ")[0]) == summary[key], (quantity, rows[quantity], summary[key])
+    if summary.get("target_epsilon") is not None:
+        assert rows["ε"].endswith(f"(budget {summary['target_epsilon']!r})")
+
+
+def test_the_model_card_states_the_runs_guarantee(minilm):
+    """ε, δ, steps and the noise multiplier are summary.json's to the last digit; accountant,
+    relation, unit, noise, sample rate, clip and data set are stated; and ε is what `dpreg privacy
+    epsilon`'s independent accounting gives for the same Poisson-sampled plan."""
     from dpregistry.cli import _accountant, _subsampled_plan
 
     result, folder = minilm
     card = (folder / "README.md").read_text()
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert_card_states_the_summary(card, summary)
     meta = json.loads((folder / "dpregistry.json").read_text())
     p = meta["privacy"]
-    z, steps, q = result.summary["noise_multiplier"], 3, 16 / 64   # 32 examples per class, 2 classes
+    assert {k: p[k] for k in ("epsilon", "delta", "noise_multiplier", "unit", "noise", "guarantee")} == \
+        {k: summary[k] for k in ("epsilon", "delta", "noise_multiplier", "unit", "noise", "guarantee")}
+    z, steps, q = summary["noise_multiplier"], 3, 16 / 64   # 32 examples per class, 2 classes
     independent = _accountant("rdp", None, 1e-5).epsilon(1e-5, extra=_subsampled_plan(steps, q, "replace_one")(z))
     assert p["epsilon"] == pytest.approx(independent, rel=1e-9) and p["epsilon"] <= 6.0
     assert (p["delta"], p["accountant"], p["relation"], p["unit"], p["noise"], p["guarantee"]) == \
         (1e-5, "rdp", "replace_one", "example", "secure", True)
-    assert (p["steps"], p["sampling"], p["clip"], p["noise_multiplier"]) == (3, ["0.25 (Poisson)"], 1.0, z)
+    assert (p["steps"], p["sampling"], p["clip"]) == (3, ["0.25 (Poisson)"], 1.0)
     assert p["dataset"] == f"{SST2_SUBSET} / train.tsv"
-    for row in (f"| ε | {p['epsilon']:.6g} (budget 6) |", "| δ | 1e-05 |", "| accountant | rdp (Rényi DP) |",
-                "| neighbouring relation | replace-one", "| privacy unit | one training example", "| noise | secure:",
-                "| steps | 3 |", "| sample rate | 0.25 (Poisson) |", "| clip (per-example L2 norm) | 1 |",
-                f"| noise multiplier (noise std / clip) | {z:.6g} |", f"| data set | {SST2_SUBSET} / train.tsv |",
-                f"| accuracy | {result.metrics['accuracy']:.6g} |"):
-        assert row in card, row
+    rows = card_table(card)
+    assert rows["accountant"] == "rdp (Rényi DP)" and rows["neighbouring relation"].startswith("replace-one")
+    assert rows["privacy unit"].startswith("one example") and rows["noise"].startswith("secure: secret")
+    assert (rows["sample rate"], rows["clip (per-example L2 norm)"]) == ("0.25 (Poisson)", "1.0")
+    assert rows["data set"] == f"{SST2_SUBSET} / train.tsv"
+    assert f"| accuracy | {result.metrics['accuracy']!r} |" in card
     assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: text-classification\n"
                            'base_model: "sentence-transformers/all-MiniLM-L6-v2"\n')
-    assert "not a privacy guarantee" not in card
+    assert "NOT a privacy guarantee" not in card
     assert meta["recipe_hash"] == result.run.recipe.hash
-
-
-def test_the_card_of_reproducible_noise_says_its_epsilon_is_no_guarantee(minilm):
-    import copy
-
-    from dpregistry.export import ModelExport, guarantee, model_card
-
-    result, folder = minilm
-    recipe = copy.deepcopy(result.run.recipe.data)
-    recipe["privacy"]["noise"] = "reproducible"
-    g = guarantee(recipe, result.run.accountant, result.run.step, result.summary["noise_multiplier"])
-    exported = ModelExport(**json.loads((folder / "dpregistry.json").read_text())["model"])
-    card = model_card(exported, recipe, "hash", g, {})
-    assert g["guarantee"] is False
-    assert "**The ε below is not a privacy guarantee.** Reproducible from the recipe seed" in card
 
 
 def test_result_export_writes_what_the_cli_writes(minilm, tmp_path):
@@ -204,6 +222,10 @@ def test_what_cannot_be_exported_is_refused_and_nothing_is_written(minilm, tmp_p
     shutil.copytree(run, unfinished)
     (unfinished / "model.safetensors").unlink()
     one_line_refusal(dpreg("export", unfinished, "--to", tmp_path / "u"), "has not finished", "dpreg resume")
+    # killed during the final evaluation: the model is written, the summary (its guarantee) is not
+    shutil.copy(run / "model.safetensors", unfinished / "model.safetensors")
+    (unfinished / "summary.json").unlink()
+    one_line_refusal(dpreg("export", unfinished, "--to", tmp_path / "u"), "no summary.json", "has not finished")
     one_line_refusal(dpreg("export", tmp_path / "nowhere", "--to", tmp_path / "n"), "run folder not found")
     assert not any((tmp_path / n).exists() for n in ("m", "u", "n"))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -222,6 +244,18 @@ def test_a_pooled_linear_head_is_refused_rather_than_approximated(tmp_path):
     one_line_refusal(res, "recipe.json: model.pooling:", "pooling: mean with normalised features",
                      "pooling: transformers")
     with pytest.raises(dpregistry.UserError, match="not a transformers architecture"):
+        result.export(tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_an_objective_without_a_transformers_model_is_refused(tmp_path):
+    recipe = {"algorithm": "dp_sgd", "objective": {"name": "quadratic", "dim": 3, "n": 64, "n_test": 8},
+              "sampler": {"batch_size": 8}, "privacy": {"epsilon": 2.0, "delta": 1e-5},
+              "train": {"steps": 2, "progress": False}}
+    result = dpregistry.train(recipe, out=tmp_path / "run", verbose=False)
+    one_line_refusal(dpreg("export", tmp_path / "run", "--to", tmp_path / "hf"), "'quadratic'",
+                     "no transformers model")
+    with pytest.raises(dpregistry.UserError, match="no transformers model"):
         result.export(tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
@@ -419,3 +453,42 @@ def test_own_model_export(tmp_path):
                              train_data=[(torch.randn(4), i % 2) for i in range(40)], verbose=False)
     with pytest.raises(dpregistry.UserError, match="plain torch module"):
         plain.export(tmp_path / "plain")
+
+
+@pytest.mark.parametrize("sampler,mechanism,clipped", [({"name": "poisson", "batch_size": 8}, "els", "example"),
+                                                      ({"name": "user_poisson", "users_per_step": 4}, "uls", "user")])
+def test_a_user_level_card_states_the_users_and_k_as_the_run_did(tmp_path, sampler, mechanism, clipped):
+    """User-level DP: the card's ε is the run's user-level ε (ELS: k times the example-level ε of
+    the ledger, not the ledger's own), with the number of users, k and the mechanism; reproducible
+    noise is said to be NOT a privacy guarantee."""
+    import torch.nn.functional as F
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=32, num_labels=2))
+    ids = torch.randint(3, 30, (48, 6))
+    data = [({"input_ids": ids[i]}, int(ids[i, 0]) % 2) for i in range(48)]
+
+    def loss(model, batch):
+        inputs, y = batch
+        return F.cross_entropy(model(**inputs).logits, y, reduction="none")
+
+    recipe = {"algorithm": "dp_sgd", "sampler": sampler, "update": {"lr": 0.1},
+              "privacy": {"epsilon": 8.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 3,
+                          "noise": "reproducible"}, "train": {"steps": 2, "progress": False}}
+    result = dpregistry.train(recipe, model=model, loss=loss, train_data=data, users=torch.arange(48) // 4,
+                              verbose=False)
+    s = result.summary
+    assert (s["unit"], s["users"], s["max_examples_per_user"], s["user_mechanism"]) == ("user", 12, 3, mechanism)
+    card = (result.export(tmp_path / "hf") / "README.md").read_text()
+    assert_card_states_the_summary(card, s)
+    rows = card_table(card)
+    assert rows["privacy unit"].startswith("one user (12 users)") and "at most 3 examples" in rows["privacy unit"]
+    if mechanism == "els":
+        example_eps = s["example_level"]["epsilon"]
+        assert s["epsilon"] == pytest.approx(3 * example_eps) and f"{example_eps:.4g}" in rows["privacy unit"]
+    assert f"clip (per-{clipped} L2 norm)" in rows
+    assert "for user-level neighbouring" in card
+    assert "**NOT a privacy guarantee.** The noise is reproducible from the recipe seed" in card
+    assert json.loads((tmp_path / "hf" / "dpregistry.json").read_text())["privacy"]["guarantee"] is False

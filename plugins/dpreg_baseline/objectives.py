@@ -164,7 +164,6 @@ class HFTextClassification(TorchObjective):
         self.n_train = len(train.labels)
         self.label_names = train.label_names
         mdir = resolve_model_dir(p.model.path, need_weights=p.model.init == "pretrained")
-        self.model_dir = mdir
         self.tokenizer = AutoTokenizer.from_pretrained(mdir)
         dtype = DTYPES[p.model.dtype]
         with seeded(ctx.rng.seed("init", 0)):
@@ -192,6 +191,8 @@ class HFTextClassification(TorchObjective):
         names = [str(n) for n in self.label_names]
         config = AutoConfig.from_pretrained(mdir, num_labels=len(names), id2label=dict(enumerate(names)),
                                             label2id={n: i for i, n in enumerate(names)})
+        if getattr(config, "pad_token_id", None) is None:  # a last-token head finds the last token by it
+            config.pad_token_id = self.tokenizer.pad_token_id
         try:
             if self.cfg.model.init == "pretrained":
                 return AutoModelForSequenceClassification.from_pretrained(mdir, config=config, dtype=dtype)
@@ -278,26 +279,21 @@ class HFTextClassification(TorchObjective):
         self.model.save_pretrained(folder)
         # The run never passed token types (BERT's second segment saw type 0) and truncated at
         # max_length: the exported tokenizer does the same by default.
-        tok = AutoTokenizer.from_pretrained(self.model_dir, model_max_length=m.max_length,
+        tok = AutoTokenizer.from_pretrained(self.tokenizer.name_or_path, model_max_length=m.max_length,
                                             model_input_names=["input_ids", "attention_mask"])
         tok.save_pretrained(folder)
-        cols = self.cfg.data.columns
-        inputs = "texts" if len(cols) == 1 else "firsts, seconds"
-        examples = 'texts = ["a gripping, beautifully made film"]' if len(cols) == 1 else \
-            "firsts, seconds = [...], [...]  # the two text fields of each example"
         return ModelExport(
             what=f"{type(self.model).__name__}, a text classifier of the labels {', '.join(map(str, self.label_names))}",
             pipeline_tag="text-classification",
             base_model=hub_id(m.path) if m.init == "pretrained" else None,
-            details={"labels": [str(n) for n in self.label_names], "text_columns": cols,
-                     "max_length": m.max_length},
+            details={"labels": [str(n) for n in self.label_names], "max_length": m.max_length},
             usage=f"""import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 tokenizer = AutoTokenizer.from_pretrained("{MODEL_DIR}")
 model = AutoModelForSequenceClassification.from_pretrained("{MODEL_DIR}").eval()
-{examples}
-batch = tokenizer({inputs}, padding=True, truncation=True, return_tensors="pt")
+texts = ["a gripping, beautifully made film"]  # two text fields per example: tokenizer(firsts, seconds, ...)
+batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
 with torch.no_grad():
     predicted = model(**batch).logits.argmax(-1)
 print([model.config.id2label[int(i)] for i in predicted])""")
