@@ -168,12 +168,12 @@ def test_the_model_card_states_the_runs_guarantee(minilm):
     assert (p["delta"], p["accountant"], p["relation"], p["unit"], p["noise"], p["guarantee"]) == \
         (1e-5, "rdp", "replace_one", "example", "secure", True)
     assert (p["steps"], p["sampling"], p["clip"]) == (3, ["0.25 (Poisson)"], 1.0)
-    assert p["dataset"] == f"{SST2_SUBSET} / train.tsv"
+    assert p["dataset"].startswith(str(SST2_SUBSET))   # the recipe's data folder (and its train file, if named)
     rows = card_table(card)
     assert rows["accountant"] == "rdp (Rényi DP)" and rows["neighbouring relation"].startswith("replace-one")
     assert rows["privacy unit"].startswith("one example") and rows["noise"].startswith("secure: secret")
     assert (rows["sample rate"], rows["clip (per-example L2 norm)"]) == ("0.25 (Poisson)", "1.0")
-    assert rows["data set"] == f"{SST2_SUBSET} / train.tsv"
+    assert rows["data set"] == p["dataset"]
     assert f"| accuracy | {result.metrics['accuracy']!r} |" in card
     assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: text-classification\n"
                            'base_model: "sentence-transformers/all-MiniLM-L6-v2"\n')
@@ -237,7 +237,8 @@ def test_a_pooled_linear_head_is_refused_rather_than_approximated(tmp_path):
     recipe = {**MINILM, "model": {"path": "minilm", "max_length": 16, "pooling": "mean",
                                   "head_init": "label_descriptions",
                                   "label_descriptions": ["It was terrible.", "It was great."]},
-              "data": {"path": str(SST2_SUBSET), "k_per_class": 4, "max_test": 4}, "sampler": {"batch_size": 4},
+              "data": {"path": str(SST2_SUBSET), "labels": ["0", "1"], "k_per_class": 4, "max_test": 4},
+              "sampler": {"batch_size": 4},
               "train": {"steps": 1, "progress": False}}
     result = dpregistry.train(recipe, out=tmp_path / "run", verbose=False)
     res = dpreg("export", tmp_path / "run", "--to", tmp_path / "hf")
@@ -322,7 +323,8 @@ def lm_recipe(lms, kind="causal_lm_prompt", folder=None, **model):
     folder = folder or ("opt" if kind == "causal_lm_prompt" else "roberta")
     return {"algorithm": "dpzero",
             "objective": {"name": kind, "model": {"path": str(lms / folder), "max_length": 64, **model},
-                          "data": {"path": str(lms / "data")}, "prompt": {"label_words": [" terrible", " great"]}},
+                          "data": {"path": str(lms / "data"), "labels": ["0", "1"]},
+                          "prompt": {"label_words": [" terrible", " great"]}},
             "sampler": {"name": "shuffle", "batch_size": 4}, "privatizer": {"clip": 1.0, "noise_multiplier": 1.0},
             "update": {"lr": 0.5}, "privacy": {"delta": 1e-3}, "train": {"steps": 3, "progress": False}}
 
