@@ -2,8 +2,9 @@
 
 The round trip is checked in a fresh Python process that imports only transformers (and peft): the
 reloaded model must give the run's held-out predictions, its logits bit for bit. The model card's
-numbers are checked against an independent accounting of the same plan, and what cannot be
-exported exactly is refused in one line with nothing written.
+numbers are summary.json's to the last digit (user-level ones included) and agree with an
+independent accounting of the same plan; what cannot be exported exactly is refused in one line
+with nothing written.
 """
 
 from __future__ import annotations
