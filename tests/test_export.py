@@ -495,3 +495,38 @@ def test_a_user_level_card_states_the_users_and_k_as_the_run_did(tmp_path, sampl
     assert "for user-level neighbouring" in card
     assert "**NOT a privacy guarantee.** The noise is reproducible from the recipe seed" in card
     assert json.loads((tmp_path / "hf" / "dpregistry.json").read_text())["privacy"]["guarantee"] is False
+
+
+def test_own_peft_model_exports_its_adapter(tmp_path):
+    """Your own peft-wrapped transformers model: the adapter, which peft loads onto the same base to
+    give the trained model's logits exactly."""
+    import torch.nn.functional as F
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=32, num_labels=2)).save_pretrained(tmp_path / "base")
+    model = get_peft_model(BertForSequenceClassification.from_pretrained(tmp_path / "base"),
+                           LoraConfig(r=2, target_modules=["query", "value"], modules_to_save=["classifier"]))
+    ids = torch.randint(3, 30, (40, 6))
+    data = [({"input_ids": ids[i]}, int(ids[i, 0]) % 2) for i in range(40)]
+
+    def loss(model, batch):
+        inputs, y = batch
+        return F.cross_entropy(model(**inputs).logits, y, reduction="none")
+
+    recipe = {"algorithm": "dp_sgd", "sampler": {"batch_size": 8}, "update": {"lr": 0.5},
+              "privacy": {"epsilon": 4.0, "delta": 1e-3}, "train": {"steps": 2, "progress": False}}
+    result = dpregistry.train(recipe, model=model, loss=loss, train_data=data, verbose=False)
+    out = result.export(tmp_path / "adapter")
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
+    back = PeftModel.from_pretrained(BertForSequenceClassification.from_pretrained(tmp_path / "base"), out).eval()
+    base = BertForSequenceClassification.from_pretrained(tmp_path / "base").eval()
+    with torch.no_grad():
+        mine = model.eval()(input_ids=ids).logits
+        assert torch.equal(back(input_ids=ids).logits, mine)
+        assert not torch.allclose(base(input_ids=ids).logits, mine)   # the adapter was trained
+    assert "library_name: peft" in (out / "README.md").read_text()
+    with pytest.raises(dpregistry.UserError, match="merge_and_unload"):
+        result.export(tmp_path / "merged", merge=True)
