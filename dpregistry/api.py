@@ -69,6 +69,20 @@ class Result:
     def stopped(self) -> str | None:
         return self.summary.get("stopped")
 
+    def export(self, to: str | Path, *, merge: bool = False, overwrite: bool = False) -> Path:
+        """Write the trained model as a folder that transformers' ``from_pretrained`` loads, with a
+        model card stating its privacy guarantee (see :mod:`dpregistry.export`; ``merge``: LoRA
+        adapters merged into the base weights). A model that no transformers architecture computes
+        exactly is refused with the reason. Several processes: rank 0 writes."""
+        from .export import export_objective, guarantee
+
+        run = self.run
+        if run.comm.rank != 0:
+            return Path(to)
+        privacy = guarantee(self.summary, run.recipe.data, self.ledger, run.accountant.notion)
+        return export_objective(run.objective, to, recipe=run.recipe, privacy=privacy, metrics=self.metrics,
+                                merge=merge, overwrite=overwrite, keep_out=self.run_dir)
+
     def __repr__(self) -> str:
         eps = "-" if self.epsilon is None else f"{self.epsilon:.4g}"
         return f"Result(step={self.summary.get('step')}, epsilon={eps}, metrics={self.metrics}, run_dir={self.run_dir})"

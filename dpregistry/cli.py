@@ -216,6 +216,22 @@ def report(run_dir: Annotated[Path, typer.Argument(help="folder of a run (finish
 
 
 @app.command()
+def export(run_dir: Annotated[Path, typer.Argument(help="folder of a finished run")],
+           to: Annotated[Path, typer.Option("--to", help="the folder to write (new or empty)")],
+           merge: Annotated[bool, typer.Option("--merge", help="LoRA: merge the adapters into the base weights")] = False,
+           overwrite: Annotated[bool, typer.Option("--overwrite", help="replace what --to holds")] = False):
+    """Write the run's model as a Hugging Face folder (config, model.safetensors, tokenizer; LoRA as a
+    peft adapter) with a model card (README.md) that states its privacy guarantee."""
+    from .api import quiet_libraries
+    from .export import CARD, export_run_folder
+
+    quiet_libraries()
+    with user_errors():
+        out = export_run_folder(run_dir, to, merge=merge, overwrite=overwrite)
+    console.print(f"exported to {escape(str(out))} (model card: {escape(str(out / CARD))})", highlight=False)
+
+
+@app.command()
 def validate(recipe: str, set_: SetOpt = None):
     """Check a recipe (schema, stages, data and model paths, budget) without training."""
     from .api import quiet_libraries

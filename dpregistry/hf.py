@@ -27,6 +27,18 @@ def _alias_dir(name: str) -> str:
     return str(path)
 
 
+def hub_id(path: str) -> str | None:
+    """The hub repository that a ``model.path`` names (an alias's, or the path itself when it is no
+    local folder), or None for a local folder."""
+    if path in ALIASES:
+        return ALIASES[path][1]
+    try:
+        local = Path(path).expanduser().exists()
+    except OSError:
+        local = False
+    return None if local or path.count("/") != 1 or path.startswith((".", "/", "~")) else path
+
+
 def how_to_provide(hub_id: str) -> str:
     return (f"model {hub_id!r} is not available locally. On a machine with internet run "
             f"`huggingface-cli download {hub_id} --local-dir DIR`, copy DIR here and set model.path=DIR "

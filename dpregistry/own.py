@@ -157,6 +157,36 @@ class OwnObjective(TorchObjective):
                 sums[name] = sums.get(name, 0.0) + total
         return {k: v / n for k, v in sums.items()}
 
+    def export(self, folder, *, merge: bool = False):
+        """Your model as it is, when it is a transformers model (``save_pretrained``), or a peft
+        model's adapter: the same module, so the same function of its inputs. A plain torch module
+        is no architecture that transformers knows how to load."""
+        import sys
+
+        from .export import MODEL_DIR, ModelExport
+
+        transformers, peft = sys.modules.get("transformers"), sys.modules.get("peft")  # imported by such a model
+        if merge:
+            raise UserError("--merge: dpregistry merges only the LoRA adapters of its own objectives; merge yours "
+                            "(result.model.merge_and_unload()) and save that")
+        if peft is not None and isinstance(self.model, peft.PeftModel):
+            self.model.save_pretrained(folder)
+            base = type(self.model.get_base_model()).__name__
+            return ModelExport(what=f"a peft adapter of {base} (your own model and loss)", library="peft",
+                               usage=f"""from peft import PeftModel
+from transformers import {base}
+
+base = {base}.from_pretrained("YOUR BASE MODEL")  # the model you wrapped with peft
+model = PeftModel.from_pretrained(base, "{MODEL_DIR}").eval()""")
+        if transformers is None or not isinstance(self.model, transformers.PreTrainedModel):
+            raise UserError(f"your model is a plain torch module ({type(self.model).__name__}), which transformers "
+                            f"cannot load; save result.model's state_dict with safetensors instead")
+        self.model.save_pretrained(folder)
+        arch = type(self.model).__name__
+        return ModelExport(what=f"{arch} (your own model and loss)", usage=f"""from transformers import {arch}
+
+model = {arch}.from_pretrained("{MODEL_DIR}").eval()  # preprocess its inputs as your training data was""")
+
 
 def _to(batch: Any, device) -> Any:
     if isinstance(batch, torch.Tensor):

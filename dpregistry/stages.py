@@ -42,13 +42,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic_core import InitErrorDetails
 
+from .errors import UserError
 from .space_names import DENSE, GRADIENT
 from .privacy.events import PrivacyEvent
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pathlib import Path
+
     import torch
 
     from .context import Context
+    from .export import ModelExport
     from .run import Run
     from .spaces import Aggregate, Contribution
 
@@ -181,6 +185,13 @@ class Objective(Stage):
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics (the test split is not the private training data)."""
         return {}
+
+    def export(self, folder: Path, *, merge: bool = False) -> "ModelExport":
+        """Write the trained model into the empty ``folder`` as a Hugging Face model that computes
+        exactly what this objective's model computes, and describe it (``dpreg export``; ``merge``:
+        LoRA adapters merged into the base weights). Raise UserError saying why when it cannot."""
+        raise UserError(f"objective {self.name!r} has no transformers model to export (`dpreg export` writes "
+                        f"Hugging Face models: hf_text_classification, the prompt LMs, your own transformers model)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -161,6 +161,34 @@ def test_a_user_with_a_huge_gradient_moves_the_clipped_sum_by_at_most_c(kind):
     assert C < diff.norm() <= 4 * C * (1 + 1e-9)
 
 
+def test_a_dpzero_user_moves_the_clipped_scalar_by_at_most_c():
+    """DPZero's contributions are scalars on one shared direction: a user's mean scalar is clipped
+    to C as one, so a user with huge finite differences moves the sum's coefficient by at most C."""
+    from dpregistry.directions import Direction
+    from dpregistry.spaces import DirectionContribution
+
+    C = 0.5
+    u = Direction(seed=1)
+    users = torch.arange(24) // 4
+
+    def coeff(values, rows):
+        contrib = DirectionContribution(values=values[rows], direction=u, names=("w",), indices=rows)
+        contrib.groups = users[rows]
+        return float(clip_and_sum(contrib, C).aggregate.tensors["coeff"])
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(24, generator=g, dtype=torch.float64) * 0.1
+    everyone, without = torch.arange(24), torch.arange(4, 24)
+    huge = values.clone()
+    huge[:4] = 1e9
+    other = values.clone()
+    other[:4] = -1e9
+    assert abs(coeff(huge, everyone) - coeff(values, without)) <= C * (1 + 1e-12)
+    assert abs(coeff(huge, everyone) - coeff(other, everyone)) <= 2 * C * (1 + 1e-12)
+    # the small users' means are inside the clip: their sum is untouched
+    assert coeff(values, without) == pytest.approx(sum(float(values[4 * k:4 * k + 4].mean()) for k in range(1, 6)))
+
+
 # -- accounting ---------------------------------------------------------------------------------
 
 

@@ -6,10 +6,10 @@ from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from dpregistry import StageParams
+from dpregistry import StageParams, UserError
 from dpregistry.data import Encoded, TextData, load_tabular, user_ids
 from dpregistry.progress import track
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, require_memory, seeded
@@ -107,10 +107,19 @@ class HFModel(_Sub):
     init: Literal["pretrained", "random"] = "pretrained"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     max_length: int = Field(default=128, gt=0)
-    pooling: Literal["mean", "cls"] = "mean"
+    pooling: Literal["mean", "cls", "transformers"] = Field(
+        default="mean", description="mean or cls: that pooling and a linear head; transformers: the architecture's "
+                                    "own sequence-classification head, which `dpreg export` writes as it is")
     head_init: Literal["random", "label_descriptions"] = "random"
     label_descriptions: list[str] | None = None
     head_scale: float = Field(default=20.0, gt=0, description="logit scale of a label-description head")
+
+    @model_validator(mode="after")
+    def _descriptions_need_a_linear_head(self):
+        if self.pooling == "transformers" and self.head_init == "label_descriptions":
+            raise ValueError("head_init: label_descriptions needs pooling: mean or cls (its head reads normalised "
+                             "features, which a transformers sequence-classification head does not)")
+        return self
 
 
 class HFTextParams(StageParams):
@@ -140,7 +149,8 @@ class Encoder(nn.Module):
 
 
 class HFTextClassification(TorchObjective):
-    """A Hugging Face encoder (default: the packaged MiniLM) with a pooled linear head, on a text table."""
+    """A Hugging Face encoder (default: the packaged MiniLM) with a pooled linear head, or with the
+    architecture's own sequence-classification head (``pooling: transformers``), on a text table."""
 
     name = "hf_text_classification"
     Params = HFTextParams
@@ -165,11 +175,14 @@ class HFTextClassification(TorchObjective):
         self.tokenizer = AutoTokenizer.from_pretrained(mdir)
         dtype = DTYPES[p.model.dtype]
         with seeded(ctx.rng.seed("init", 0)):
-            if p.model.init == "pretrained":
-                enc = AutoModel.from_pretrained(mdir, dtype=dtype)
+            if p.model.pooling == "transformers":
+                self.model = self._sequence_classifier(mdir, dtype).to(ctx.device, dtype)
             else:
-                enc = AutoModel.from_config(AutoConfig.from_pretrained(mdir), dtype=dtype)
-            self.model = Encoder(enc, len(self.label_names), p.model.pooling).to(ctx.device, dtype)
+                if p.model.init == "pretrained":
+                    enc = AutoModel.from_pretrained(mdir, dtype=dtype)
+                else:
+                    enc = AutoModel.from_config(AutoConfig.from_pretrained(mdir), dtype=dtype)
+                self.model = Encoder(enc, len(self.label_names), p.model.pooling).to(ctx.device, dtype)
         # token ids per batch, from the memory-mapped rows (a large data set is never tokenised whole)
         self.train_tok = Encoded(train, self._tokenize)
         self.y_train = torch.as_tensor(train.labels, device=ctx.device)
@@ -177,6 +190,25 @@ class HFTextClassification(TorchObjective):
         self.y_test = torch.as_tensor(test.labels, device=ctx.device)
         if p.model.head_init == "label_descriptions":
             self._init_head_from_descriptions()
+
+    def _sequence_classifier(self, mdir: str, dtype):
+        """The architecture's own head (AutoModelForSequenceClassification), its labels named as the data's."""
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        if self.tokenizer.pad_token_id is None:  # padding would be read as a real token by a last-token head
+            raise UserError("pooling: transformers needs a tokenizer with a padding token", key="model.pooling")
+        names = [str(n) for n in self.label_names]
+        config = AutoConfig.from_pretrained(mdir, num_labels=len(names), id2label=dict(enumerate(names)),
+                                            label2id={n: i for i, n in enumerate(names)})
+        if getattr(config, "pad_token_id", None) is None:  # a last-token head finds the last token by it
+            config.pad_token_id = self.tokenizer.pad_token_id
+        try:
+            if self.cfg.model.init == "pretrained":
+                return AutoModelForSequenceClassification.from_pretrained(mdir, config=config, dtype=dtype)
+            return AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+        except ValueError as e:  # a model type that has no such head
+            raise UserError(f"{self.cfg.model.path!r} has no transformers sequence-classification head "
+                            f"({str(e).splitlines()[0][:200]}); use pooling: mean or cls", key="model.pooling") from None
 
     def _tokenize(self, texts):
         if not texts:
@@ -206,6 +238,8 @@ class HFTextClassification(TorchObjective):
         self._normalize_features = True
 
     def _logits(self, ids, mask):
+        if self.cfg.model.pooling == "transformers":
+            return self.model(input_ids=ids, attention_mask=mask).logits
         if getattr(self, "_normalize_features", False):
             feats = F.normalize(self.model.pool(ids, mask), dim=-1)
             return self.model.head(feats)
@@ -227,6 +261,47 @@ class HFTextClassification(TorchObjective):
             loss += float(F.cross_entropy(logits, y, reduction="sum"))
         n = max(len(self.test_tok), 1)
         return {"accuracy": correct / n, "loss": loss / n}
+
+    def export(self, folder, *, merge: bool = False):
+        """The model as it is, when it is transformers' own sequence classifier (pooling:
+        transformers). A pooled linear head (mean or cls pooling, normalised features) is no
+        transformers architecture: no model that transformers loads computes it exactly, so it is
+        refused rather than approximated."""
+        from transformers import AutoTokenizer
+
+        from dpregistry.export import MODEL_DIR, ModelExport
+        from dpregistry.hf import hub_id
+
+        m = self.cfg.model
+        if m.pooling != "transformers":
+            head = "normalised features and a linear head" if getattr(self, "_normalize_features", False) \
+                else "a linear head"
+            raise UserError(f"pooling: {m.pooling} with {head} is not a transformers architecture, so no model that "
+                            f"transformers loads computes it exactly; to export, train with pooling: transformers "
+                            f"(the architecture's own sequence-classification head)", key="model.pooling")
+        if merge:
+            raise UserError("--merge: this model has no LoRA adapters to merge")
+        self.model.save_pretrained(folder)
+        # The run never passed token types (BERT's second segment saw type 0) and truncated at
+        # max_length: the exported tokenizer does the same by default.
+        tok = AutoTokenizer.from_pretrained(self.tokenizer.name_or_path, model_max_length=m.max_length,
+                                            model_input_names=["input_ids", "attention_mask"])
+        tok.save_pretrained(folder)
+        return ModelExport(
+            what=f"{type(self.model).__name__}, a text classifier of the labels {', '.join(map(str, self.label_names))}",
+            pipeline_tag="text-classification",
+            base_model=hub_id(m.path) if m.init == "pretrained" else None,
+            details={"labels": [str(n) for n in self.label_names], "max_length": m.max_length},
+            usage=f"""import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{MODEL_DIR}")
+model = AutoModelForSequenceClassification.from_pretrained("{MODEL_DIR}").eval()
+texts = ["a gripping, beautifully made film"]  # two text fields per example: tokenizer(firsts, seconds, ...)
+batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+with torch.no_grad():
+    predicted = model(**batch).logits.argmax(-1)
+print([model.config.id2label[int(i)] for i in predicted])""")
 
 
 # ------------------------------------------------------------------------------------------

@@ -286,6 +286,7 @@ class PromptLM(TorchObjective):
         # (The run locates a UserError's key in the recipe: ``model.path`` is objective.model.path.)
         self.lm, config, folder = self._load_model(ctx)
         self.model = self.lm
+        self.model_folder = folder
         self.tok = self._tokenizer(config, folder)
         words = self.cfg.prompt.label_words  # pair with the labels by position: the order must be given
         train, test = self.cfg.data.load(pairs=("prompt.label_words", words))
@@ -379,6 +380,114 @@ class PromptLM(TorchObjective):
             correct += int((logits.argmax(-1) == y).sum())
             loss += float(F.cross_entropy(logits, y, reduction="sum"))
         return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}
+
+    # -- export -------------------------------------------------------------------------------
+
+    def export(self, folder, *, merge: bool = False):
+        """The language model with its tokenizer; LoRA adapters as a peft adapter of the base
+        model, or merged into its weights (``merge``). The prompt and the label words, which turn
+        the LM into a classifier, go into the card."""
+        from dpregistry.export import ModelExport
+
+        m = self.cfg.model
+        if not isinstance(self.tok, HFPromptTokenizer):
+            raise UserError("the run used the byte-level stand-in tokenizer, which is no transformers tokenizer: "
+                            "the exported model could not be prompted; train with model.tokenizer set to the "
+                            "model's tokenizer", key="model.tokenizer")
+        if m.lora is None and merge:
+            raise UserError("--merge: this model has no LoRA adapters to merge")
+        library, notes = "transformers", []
+        base = self._hub_id() if m.init == "pretrained" else None  # random weights are fine-tuned from nothing
+        if m.lora is None:
+            self.lm.save_pretrained(folder)
+        elif merge:
+            self.lm.save_pretrained(folder, state_dict=self._merged_state_dict())
+            notes.append("the LoRA adapters are merged into the base weights (W + (α/r)·B·A, rounded once to the "
+                         "weights' dtype, as peft's merge does): the same function up to that rounding")
+        else:
+            self._save_adapter(folder)
+            library = "peft"
+        self.tok.tok.save_pretrained(folder)
+        return ModelExport(what=self._what(library), usage=self._usage(library), library=library,
+                           pipeline_tag="fill-mask" if self.masked else "text-generation", base_model=base,
+                           details=self._prompt_details(), notes=notes)
+
+    def _hub_id(self) -> str | None:
+        from dpregistry.hf import hub_id
+
+        path = self.cfg.model.path
+        return HUB_IDS[path] if path in HUB_IDS else hub_id(path)
+
+    def _merged_state_dict(self) -> dict[str, torch.Tensor]:
+        """The base model's state with each LoRA layer's update added to its weight, as peft's
+        ``merge_and_unload`` computes it."""
+        from peft.tuners.lora import LoraLayer
+
+        state = {k.replace(".base_layer.", "."): v for k, v in self.lm.state_dict().items() if ".lora_" not in k}
+        with torch.no_grad():
+            for name, module in self.lm.named_modules():
+                if isinstance(module, LoraLayer):
+                    for adapter in module.active_adapters:
+                        weight = state[f"{name}.weight"].clone()
+                        weight += module.get_delta_weight(adapter)
+                        state[f"{name}.weight"] = weight
+        return state
+
+    def _save_adapter(self, folder: Path) -> None:
+        """adapter_config.json and adapter_model.safetensors, as ``PeftModel.save_pretrained`` names them."""
+        import copy
+
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        if self.cfg.model.init == "random" or self.model_folder is None:
+            raise UserError("the base weights are random (model.init: random), so no folder holds the base an adapter "
+                            "needs; export with --merge to write the whole model", key="model.init")
+        config = copy.deepcopy(self.lm.peft_config["default"])
+        config.base_model_name_or_path = self._hub_id() or str(Path(self.model_folder).resolve())
+        config.task_type = None if self.masked else "CAUSAL_LM"
+        config.inference_mode = True
+        config.save_pretrained(str(folder))
+        state = {f"base_model.model.{k}": v.detach().cpu().contiguous()
+                 for k, v in get_peft_model_state_dict(self.lm).items()}
+        save_file(state, str(Path(folder) / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    def _prompt_details(self) -> dict:
+        return {"template": self.cfg.prompt.template or self.default_template,
+                "label_words": list(self.cfg.prompt.label_words), "labels": [str(n) for n in self.label_names],
+                "text_columns": list(self.cols), "max_length": self.cfg.model.max_length,
+                "read_out": "the mask position" if self.masked else "the last prompt token (the next-token logits)",
+                "truncation": f"a prompt longer than {self.cfg.model.max_length} tokens keeps its first token and its "
+                              f"last {self.cfg.model.max_length - 1}"}
+
+    def _what(self, library: str) -> str:
+        kind = "masked" if self.masked else "causal"
+        model = type(self.lm).__name__ + (" (a LoRA adapter)" if library == "peft" else "")
+        return f"{model}, a {kind} language model prompted to classify text by the logits of its label words"
+
+    def _usage(self, library: str) -> str:
+        from dpregistry.export import MODEL_DIR
+
+        auto = "AutoModelForMaskedLM" if self.masked else "AutoModelForCausalLM"
+        d = self._prompt_details()
+        fields = ", ".join(f"{c}={'a gripping, beautifully made film' if i == 0 else '...'!r}"
+                           for i, c in enumerate(d["text_columns"]))
+        position = ("(batch[\"input_ids\"][0] == tokenizer.mask_token_id).nonzero()[0, 0]" if self.masked
+                    else "-1  # the next token after the prompt")
+        loads = "# with peft installed, transformers loads the base model adapter_config.json names, then the adapter\n" \
+            if library == "peft" else ""
+        return f"""import torch
+from transformers import {auto}, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{MODEL_DIR}")
+{loads}model = {auto}.from_pretrained("{MODEL_DIR}").eval()
+template, labels = {d["template"]!r}, {d["labels"]!r}
+words = [tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in {d["label_words"]!r}]
+batch = tokenizer(template.replace("{{mask}}", tokenizer.mask_token or "").format({fields}), return_tensors="pt")
+position = {position}
+with torch.no_grad():
+    logits = model(**batch).logits[0, position, words]
+print(labels[int(logits.argmax())])"""
 
 
 class CausalLMPrompt(PromptLM):
