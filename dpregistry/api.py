@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import UserError
+from .progress import saying
 
 
 @dataclass
@@ -226,7 +227,8 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
     r = load_recipe(recipe, set, own=provides is not None)
     out_dir = on_rank0_for_all(comm, lambda: check_out(Path(out), overwrite)) if out is not None else None
     # Everything that can fail on bad input happens before the folder is touched.
-    run = Run(r, comm=comm, provides=provides).prepare()
+    with saying(_sayer(verbose and (comm is None or comm.rank == 0), console)):
+        run = Run(r, comm=comm, provides=provides).prepare()
     with ExitStack() as held:
         if out_dir is not None:
             on_rank0_for_all(comm, lambda: claim(out_dir, overwrite, held))
@@ -257,9 +259,10 @@ def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: in
     rank0 = comm is None or comm.rank == 0
     with ExitStack() as held:
         on_rank0_for_all(comm, lambda: held.enter_context(run_lock(run_dir)))
-        r = resume_run(run_dir, comm=comm, warn=(warn or _warn) if rank0 else (lambda m: None),
-                       max_nonfinite_steps=max_nonfinite_steps, provides=provides)
         say = say or ((lambda m: _say(console, m)) if verbose else (lambda m: None))
+        with saying(say if rank0 else None):
+            r = resume_run(run_dir, comm=comm, warn=(warn or _warn) if rank0 else (lambda m: None),
+                           max_nonfinite_steps=max_nonfinite_steps, provides=provides)
         if r.algorithm.done(r.ctx):
             if rank0:
                 say(f"the run already finished at step {r.step}")
@@ -286,6 +289,11 @@ def spent(run) -> str:
 
 def _warn(message: str) -> None:
     print(message, file=sys.stderr)
+
+
+def _sayer(verbose: bool, console) -> Callable[[str], None] | None:
+    """Where a stage's one-line messages (dpregistry.progress.say) go while the run is built."""
+    return (lambda m: _say(console, m)) if verbose else None
 
 
 def _say(console, message: str) -> None:

@@ -75,17 +75,16 @@ def resolve_model_dir(path: str, *, need_weights: bool = True) -> str:
     return folder
 
 
-def require_regular_files(folder: str | Path) -> None:
-    """Refuse a model folder with a file that is not a regular one: transformers opens its files by
-    name, and a FIFO among them would block the run, a device never end (links are followed: a hub
-    cache links to its blobs)."""
+def require_regular_files(folder: str | Path, key: str = "model.path") -> None:
+    """Refuse a model folder (or a data set saved with ``save_to_disk``) with a file that is not a
+    regular one: transformers and datasets open their files by name, and a FIFO among them would
+    block the run, a device never end (links are followed: a hub cache links to its blobs)."""
     try:
         for f in Path(folder).iterdir():
             if not (f.is_file() or f.is_dir()):
-                raise UserError(f"{f} is not a regular file (a FIFO, a device, a socket or a broken link)",
-                                key="model.path")
+                raise UserError(f"{f} is not a regular file (a FIFO, a device, a socket or a broken link)", key=key)
     except OSError as e:
-        raise UserError(f"cannot read the model folder {folder} ({e.strerror or e})", key="model.path") from None
+        raise UserError(f"cannot read the folder {folder} ({e.strerror or e})", key=key) from None
 
 
 def _resolve_model_dir(path: str, need_weights: bool) -> str:

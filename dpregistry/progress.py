@@ -1,4 +1,5 @@
-"""Progress of long work inside a stage (a held-out evaluation over many batches).
+"""Progress of long work inside a stage (a held-out evaluation over many batches), and one-line
+messages a stage has for the user.
 
 A stage wraps its loop in :func:`track`; whoever runs the training decides how it shows: the
 CLI draws a bar under the run's, a notebook a widget, a library caller nothing at all. The
@@ -30,3 +31,27 @@ def showing(tracker: Callable[[Iterable, int | None, str], Iterable] | None):
         yield
     finally:
         _tracker = before
+
+
+#: message -> None; set with :func:`saying`
+_sayer: Callable[[str], None] | None = None
+
+
+def say(message: str) -> None:
+    """A one-line message for whoever runs the training (what a stage resolved that the user should
+    see before step 1, such as which label each label description stands for). Like :func:`track`,
+    it shows only if the caller of the run asked: ``dpreg run`` and ``dpregistry.train(verbose=True)``
+    print it."""
+    if _sayer is not None:
+        _sayer(message)
+
+
+@contextmanager
+def saying(sayer: Callable[[str], None] | None):
+    """Within the block, :func:`say` reports through ``sayer`` (None: silently)."""
+    global _sayer
+    before, _sayer = _sayer, sayer
+    try:
+        yield
+    finally:
+        _sayer = before

@@ -273,7 +273,9 @@ class Run:
             raise self.recipe.error(f"privacy.unit: user needs the user of each record, and objective "
                                     f"{self.objective.name!r} has none (name the user id column with data.user)",
                                     "privacy", "unit")
+        self._section = "objective"  # the objective's refusal names its own keys (data.user)
         ids = self.objective.provide(UserIds).ids
+        self._section = None
         self.users = bound_contributions(ids, self.recipe.privacy.max_examples_per_user,
                                          self.rng.step_seed("user_contributions", 0))
         self._given[UserGroups] = self.users

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# datasets keeps an Arrow copy of every data file it reads: the suite's go to a folder of its own
+if "HF_DATASETS_CACHE" not in os.environ:
+    os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="dpreg-tests-datasets-")
+    atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], True)
 
 import pytest  # noqa: E402
 import yaml  # noqa: E402

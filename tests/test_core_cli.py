@@ -142,6 +142,8 @@ def test_the_repo_recipes_validate(sst2_dir):
     for recipe in sorted(RECIPES.glob("*.yaml")):
         if recipe.name.startswith(("opt", "roberta", "vit")):
             continue  # paper-scale recipes need weights that are not here; their own tests cover them
+        if "hub" in recipe.name:
+            continue  # needs the hub data set in the HF cache: tests/test_data_text.py validates it from one
         res = dpreg("validate", recipe, "--set", f"data.path={sst2_dir}") if "sst2" in recipe.name \
             else dpreg("validate", recipe)
         assert res.returncode == 0, (recipe.name, res.stderr)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "transformers", "matplotlib", "dp_accounting", "sklearn")
+HEAVY = ("torch", "transformers", "matplotlib", "dp_accounting", "sklearn", "datasets")
 
 PROBE = """
 import json, sys

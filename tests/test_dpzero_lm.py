@@ -42,7 +42,7 @@ def lm_recipe(tiny, kind="causal_lm_prompt", **model):
     return {"algorithm": "dpzero",
             "objective": {"name": kind, "model": {"path": str(tiny / folder), "init": "random", "tokenizer": "byte",
                                                    "max_length": 64, **model},
-                          "data": {"path": str(tiny / "data")}},
+                          "data": {"path": str(tiny / "data"), "labels": ["0", "1"]}},
             "sampler": {"name": "shuffle", "batch_size": 4},
             "privatizer": {"clip": 1.0, "noise_multiplier": 1.0},
             "update": {"lr": 1e-3}, "train": {"steps": 2, "log_every": 1000}}
@@ -178,15 +178,41 @@ def test_text_objectives_share_dpregistry_text_data(tmp_path):
     d = TextData(path=str(folder), train="train.csv", test="test.csv", text="review", k_per_class=4, seed=7,
                  max_test=2)
     train, test = d.load()
-    assert train.label_names == ["neg", "pos"] and Counter(train.labels) == {0: 4, 1: 4}
+    texts = train.fields(range(len(train)))
+    assert train.label_names == ["neg", "pos"] and Counter(train.labels.tolist()) == {0: 4, 1: 4}
     truth = dict(train_rows)
-    assert all(truth[t] == train.label_names[y] for (t,), y in zip(train.texts, train.labels))
-    assert len(set(train.texts)) == 8
-    assert (test.texts, test.labels) == ([("a",), ("b",)], [0, 1])
-    assert d.load()[0] == train and TextData(**{**d.model_dump(), "seed": 8}).load()[0].texts != train.texts
+    assert all(truth[t] == train.label_names[y] for (t,), y in zip(texts, train.labels))
+    assert len(set(texts)) == 8
+    assert (test.fields(range(len(test))), test.labels.tolist()) == ([("a",), ("b",)], [0, 1])
+    again = d.load()[0]
+    assert again.fields(range(8)) == texts and again.labels.tolist() == train.labels.tolist()
+    assert TextData(**{**d.model_dump(), "seed": 8}).load()[0].fields(range(8)) != texts
     with pytest.raises(UserError, match="data folder .* not found.*train.csv and test.csv") as e:
         TextData(path=str(tmp_path / "missing"), train="train.csv", test="test.csv").load()
     assert e.value.key == "data.path"
+
+
+@pytest.mark.parametrize("data", [{"user": "who"}, {"rows_per_user": 3}])
+def test_prompt_objectives_give_the_users_of_a_user_level_dpzero_run(tiny, tmp_path, data):
+    """DPZero at the user level (ULS) on a prompt objective: the users come from data.user (ids in
+    order of first appearance) or data.rows_per_user (row // N), and the run samples users."""
+    from dpregistry.users import UserIds
+
+    who = ["kim", "lee", "kim", "max", "lee", "kim", "max", "ola"]
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\twho\n" + "".join(
+        f"{s}\t{y}\t{u}\n" for (s, y), u in zip(SENTENCES, who)))
+    (tmp_path / "test.tsv").write_text((tiny / "data" / "test.tsv").read_text())
+    recipe = lm_recipe(tiny)
+    recipe["objective"]["data"] = {"path": str(tmp_path), "labels": ["0", "1"], **data}
+    recipe.update(sampler={"name": "user_poisson", "users_per_step": 2},
+                  privacy={"epsilon": 50.0, "delta": 0.01, "unit": "user", "max_examples_per_user": 2},
+                  train={"steps": 1, "log_every": 1000, "progress": False})
+    run = make_run(recipe, tmp_path)
+    want = [0, 1, 0, 2, 1, 0, 2, 3] if "user" in data else [r // 3 for r in range(8)]
+    assert run.objective.provide(UserIds).ids.tolist() == want
+    s = run.train()
+    assert s["unit"] == "user" and s["user_mechanism"] == "uls" and s["users"] == max(want) + 1
+    assert run.accountant.ledger.to_json()[0]["event"]["q"] == pytest.approx(2 / (max(want) + 1))
 
 
 def test_the_dpzero_plugin_imports_only_dpregistry():

@@ -1,6 +1,7 @@
-"""Data loading helpers for objectives: text tables (and their recipe schema) and scikit-learn's bundled data sets."""
+"""Data loading helpers for objectives: text data sets through Hugging Face ``datasets`` (and their
+recipe schema) and scikit-learn's bundled data sets."""
 
 from .tabular import load_tabular
-from .text import TextData, TextTable, k_shot, load_table
+from .text import Encoded, TextData, TextTable, k_shot, make_table, read_file, user_ids
 
-__all__ = ["TextData", "TextTable", "k_shot", "load_table", "load_tabular"]
+__all__ = ["Encoded", "TextData", "TextTable", "k_shot", "load_tabular", "make_table", "read_file", "user_ids"]

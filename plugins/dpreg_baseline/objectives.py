@@ -10,10 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from dpregistry import StageParams, UserError
-from dpregistry.data import TextData, load_tabular
+from dpregistry.data import Encoded, TextData, load_tabular, user_ids
 from dpregistry.progress import track
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, require_memory, seeded
 from dpregistry.stages import Objective
+from dpregistry.users import UserIds
 
 
 class _Sub(BaseModel):
@@ -153,6 +154,10 @@ class HFTextClassification(TorchObjective):
 
     name = "hf_text_classification"
     Params = HFTextParams
+    provides = (UserIds,)  # privacy.unit: user, from data.user or data.rows_per_user
+
+    def provide(self, kind):
+        return user_ids(self.train_tok.table)
 
     def build(self, ctx):
         from transformers import AutoConfig, AutoModel, AutoTokenizer
@@ -160,8 +165,11 @@ class HFTextClassification(TorchObjective):
         from dpregistry.hf import resolve_model_dir
 
         p = self.cfg
-        train, test = p.data.load()
-        self.n_train = len(train.labels)
+        # a description head pairs the descriptions with the labels by position: the order must be given
+        pairs = ("model.label_descriptions", p.model.label_descriptions) if p.model.head_init == "label_descriptions" \
+            else None
+        train, test = p.data.load(pairs=pairs)
+        self.n_train = len(train)
         self.label_names = train.label_names
         mdir = resolve_model_dir(p.model.path, need_weights=p.model.init == "pretrained")
         self.tokenizer = AutoTokenizer.from_pretrained(mdir)
@@ -175,10 +183,11 @@ class HFTextClassification(TorchObjective):
                 else:
                     enc = AutoModel.from_config(AutoConfig.from_pretrained(mdir), dtype=dtype)
                 self.model = Encoder(enc, len(self.label_names), p.model.pooling).to(ctx.device, dtype)
-        self.train_tok = self._tokenize(train.texts)
-        self.y_train = torch.tensor(train.labels, device=ctx.device)
-        self.test_tok = self._tokenize(test.texts)
-        self.y_test = torch.tensor(test.labels, device=ctx.device)
+        # token ids per batch, from the memory-mapped rows (a large data set is never tokenised whole)
+        self.train_tok = Encoded(train, self._tokenize)
+        self.y_train = torch.as_tensor(train.labels, device=ctx.device)
+        self.test_tok = Encoded(test, self._tokenize)
+        self.y_test = torch.as_tensor(test.labels, device=ctx.device)
         if p.model.head_init == "label_descriptions":
             self._init_head_from_descriptions()
 
@@ -220,10 +229,7 @@ class HFTextClassification(TorchObjective):
 
     @torch.no_grad()
     def _init_head_from_descriptions(self):
-        desc = self.cfg.model.label_descriptions
-        if not desc or len(desc) != len(self.label_names):
-            raise UserError(f"model.label_descriptions needs one text per label ({len(self.label_names)})",
-                            key="model.label_descriptions")
+        desc = self.cfg.model.label_descriptions  # one per label, in label order (TextData.load checked)
         ids = self.tokenizer(desc, truncation=True, max_length=self.cfg.model.max_length)["input_ids"]
         e = self.model.pool(*self._pad(ids)).float()
         e = F.normalize(e, dim=-1)
@@ -240,8 +246,7 @@ class HFTextClassification(TorchObjective):
         return self.model(ids, mask)
 
     def batch_losses(self, indices):
-        idx = indices.tolist()
-        ids, mask = self._pad([self.train_tok[i] for i in idx])
+        ids, mask = self._pad(self.train_tok.take(indices.tolist()))
         return F.cross_entropy(self._logits(ids, mask).float(), self.y_train[indices], reduction="none")
 
     @torch.no_grad()
@@ -249,7 +254,7 @@ class HFTextClassification(TorchObjective):
         correct, loss = 0, 0.0
         starts = range(0, len(self.test_tok), batch_size)
         for s in track(starts, len(starts), "held-out evaluation"):
-            ids, mask = self._pad(self.test_tok[s:s + batch_size])
+            ids, mask = self._pad(self.test_tok.take(range(s, min(s + batch_size, len(self.test_tok)))))
             logits = self._logits(ids, mask).float()
             y = self.y_test[s:s + batch_size]
             correct += int((logits.argmax(-1) == y).sum())

@@ -36,9 +36,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dpregistry import StageParams, UserError
-from dpregistry.data import TextData
+from dpregistry.data import Encoded, TextData, user_ids
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, seeded
 from dpregistry.progress import track
+from dpregistry.users import UserIds
 
 CONFIGS = Path(__file__).with_name("configs")
 #: names (and hub ids) whose architecture ships with the plugin, as small JSON configs
@@ -215,6 +216,10 @@ class PromptLM(TorchObjective):
     Params = PromptParams
     masked: bool = False
     default_template: str = ""
+    provides = (UserIds,)  # privacy.unit: user, from data.user or data.rows_per_user
+
+    def provide(self, kind):
+        return user_ids(self.train_tok.table)
 
     # -- build ----------------------------------------------------------------------------
 
@@ -283,21 +288,23 @@ class PromptLM(TorchObjective):
         self.model = self.lm
         self.model_folder = folder
         self.tok = self._tokenizer(config, folder)
-        train, test = self.cfg.data.load()
-        words = self.cfg.prompt.label_words
-        if len(words) != len(train.label_names):
-            raise UserError(f"prompt.label_words needs one word per label ({len(train.label_names)}: "
-                            f"{train.label_names})", key="objective.prompt.label_words")
+        words = self.cfg.prompt.label_words  # pair with the labels by position: the order must be given
+        train, test = self.cfg.data.load(pairs=("prompt.label_words", words))
         self.word_ids = torch.tensor([self.tok.word_id(w) for w in words], device=ctx.device)
         if len(set(self.word_ids.tolist())) != len(words):
             raise UserError("two label words map to the same token", key="objective.prompt.label_words")
-        self.n_train = len(train.labels)
+        self.n_train = len(train)
         self.label_names = train.label_names
-        self.cols = self.cfg.data.columns
-        self.train_tok = [self._encode(t) for t in train.texts]
-        self.test_tok = [self._encode(t) for t in test.texts]
-        self.y_train = torch.tensor(train.labels, device=ctx.device, dtype=torch.long)
-        self.y_test = torch.tensor(test.labels, device=ctx.device, dtype=torch.long)
+        self.cols = train.columns
+        # prompts are encoded per batch from the memory-mapped rows; a set that fits the cache is
+        # encoded now, so that a prompt that cannot be read out is refused before step 1
+        self.train_tok = Encoded(train, self._encode_all)
+        self.test_tok = Encoded(test, self._encode_all)
+        for encoded in (self.train_tok, self.test_tok):
+            if not encoded.prefetch():
+                encoded[0]  # noqa: B018  (the template, at least, is checked before step 1)
+        self.y_train = torch.as_tensor(train.labels, device=ctx.device)
+        self.y_test = torch.as_tensor(test.labels, device=ctx.device)
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -307,9 +314,14 @@ class PromptLM(TorchObjective):
         try:
             return template.replace(MASK, "\x00MASK\x00").format(**values).replace(
                 "\x00MASK\x00", self.tok.mask_text or "")
-        except KeyError as e:
+        except (KeyError, IndexError) as e:  # {name} of no column; {0}: columns are named, by data.columns
             raise UserError(f"prompt.template names {e} but the data columns are {self.cols}",
                             key="objective.prompt.template") from None
+        except ValueError as e:  # a lone brace
+            raise UserError(f"prompt.template is not a template ({e})", key="objective.prompt.template") from None
+
+    def _encode_all(self, examples) -> list[tuple[list[int], int]]:
+        return [self._encode(fields) for fields in examples]
 
     def _encode(self, fields) -> tuple[list[int], int]:
         """(token ids, the position whose logits predict the label word)."""
@@ -345,22 +357,29 @@ class PromptLM(TorchObjective):
         return self._head()(h)[:, self.word_ids].float()
 
     def batch_losses(self, indices):
-        items = [self.train_tok[i] for i in indices.tolist()]
+        items = self.train_tok.take(indices.tolist())
         return F.cross_entropy(self.label_logits(items), self.y_train[indices], reduction="none")
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 32):
-        order = sorted(range(len(self.test_tok)), key=lambda i: len(self.test_tok[i][0]))
+        n = len(self.test_tok)
+        # batches of similar lengths (little padding): sorted by length within windows of the
+        # encoding cache's size, which is the whole test set when it fits
+        window = max(batch_size, self.test_tok.keep // batch_size * batch_size)
+        order: list[int] = []
         correct, loss = 0, 0.0
-        starts = range(0, len(order), batch_size)
+        starts = range(0, n, batch_size)
         for s in track(starts, len(starts), "held-out evaluation"):
-            idx = order[s:s + batch_size]
-            logits = self.label_logits([self.test_tok[i] for i in idx])
+            if s % window == 0:
+                span = range(s, min(s + window, n))
+                lengths = [len(ids) for ids, _ in self.test_tok.take(span)]
+                order = sorted(span, key=lambda i: lengths[i - s])
+            idx = order[s % window:s % window + batch_size]
+            logits = self.label_logits(self.test_tok.take(idx))
             y = self.y_test[idx]
             correct += int((logits.argmax(-1) == y).sum())
             loss += float(F.cross_entropy(logits, y, reduction="sum"))
-        n = max(len(order), 1)
-        return {"accuracy": correct / n, "loss": loss / n}
+        return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}
 
     # -- export -------------------------------------------------------------------------------
 
