@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 
 import dpregistry
@@ -351,3 +353,37 @@ def test_uls_trains_a_model_of_ones_own_data_with_users():
                          eval_data=list(zip(x[1400:], y[1400:])), users=torch.arange(1400) // 20, verbose=False)
     assert r.epsilon <= 6.0 and r.summary["users"] == 70 and r.metrics["accuracy"] > 0.3  # chance: 0.1
     assert math.isfinite(r.metrics["loss"])
+
+
+# -- the shipped recipes at the user level ----------------------------------------------------------
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+SST2 = Path(__file__).resolve().parent / "data" / "sst2"
+
+
+ULS = {"name": "user_poisson", "users_per_step": 4}
+ELS = {"name": "poisson", "batch_size": 8}
+
+
+@pytest.mark.parametrize("recipe, sampler", [("minilm_sst2_user_dp_adam", ULS), ("minilm_sst2_dpgrape", ULS),
+                                             ("minilm_sst2_dpzero", ULS), ("minilm_sst2_dp_adam", ELS)])
+def test_dp_adam_dp_grape_and_dpzero_recipes_run_at_the_user_level(recipe, sampler, tmp_path):
+    """The first- and zeroth-order MiniLM recipes take privacy.unit: user with ULS (users drawn at
+    rate users_per_step ÷ users, charged at the user level) and ELS (group privacy of size k)."""
+    user = {"privacy": {"epsilon": 6.0, "delta": 1e-5, "unit": "user", "max_examples_per_user": 3,
+                        "noise": "reproducible"},
+            "data": {"path": str(SST2), "k_per_class": None, "rows_per_user": 25},
+            "train": {"steps": 1, "eval_every": None, "checkpoint_every": None, "progress": False}}
+    path = tmp_path / "user.yaml"
+    path.write_text(yaml.safe_dump({"extends": str(RECIPES / f"{recipe}.yaml"), "sampler": sampler, **user}))
+    r = dpregistry.train(path, verbose=False)
+    n_rows = sum(1 for _ in open(SST2 / "train.tsv")) - 1
+    users = math.ceil(n_rows / 25)
+    s, event = r.summary, r.ledger[0]["event"]
+    assert s["unit"] == "user" and s["users"] == users and s["max_examples_per_user"] == 3
+    assert s["epsilon"] <= 6.0 * (1 + 1e-9) and s["delta"] <= 1e-5
+    if sampler is ULS:
+        assert s["user_mechanism"] == "uls" and event["q"] == pytest.approx(4 / users)
+    else:  # ELS: example-level sampling among the 3 kept rows of each user, group privacy of size 3
+        assert s["user_mechanism"] == "els" and event["q"] == pytest.approx(8 / (3 * users))
+        assert s["epsilon"] == pytest.approx(3 * s["example_level"]["epsilon"])
