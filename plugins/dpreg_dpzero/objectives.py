@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dpregistry import StageParams, UserError
 from dpregistry.data import Encoded, TextData, user_ids
+from dpregistry.hf import quiet
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, seeded
 from dpregistry.progress import track
 from dpregistry.users import UserIds
@@ -234,7 +235,7 @@ class PromptLM(TorchObjective):
         dtype = DTYPES[m.dtype]
         auto = self._auto_class()
         try:
-            with seeded(ctx.rng.seed("init", 0)):
+            with seeded(ctx.rng.seed("init", 0)), quiet():
                 if m.init == "random":
                     with torch.device(ctx.device):
                         lm = auto.from_config(config, dtype=dtype)

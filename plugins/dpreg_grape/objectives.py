@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dpregistry import StageParams, UserError
 from dpregistry.files import read_regular, require_regular
+from dpregistry.hf import quiet
 from dpregistry.objectives import DTYPES, TorchObjective, Trainable, seeded
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -160,7 +161,7 @@ class ImageClassification(TorchObjective):
         m = self.cfg.model
         self.dtype = DTYPES[m.dtype]
         n_labels = int(max(ytr.max(initial=0), yte.max(initial=0))) + 1
-        with seeded(ctx.rng.seed("init", 0)):
+        with seeded(ctx.rng.seed("init", 0)), quiet():
             if m.init == "pretrained":
                 import transformers
 
