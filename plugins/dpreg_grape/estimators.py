@@ -24,7 +24,7 @@ from pydantic import Field
 from torch import nn
 
 from dpregistry import Estimator, Objective, StageParams, UserError
-from dpregistry.persample import GradSampler, HookContribution, LinearHandler, Outer, handler_for
+from dpregistry.persample import PASSES_HELP, GradSampler, HookContribution, LinearHandler, Outer, handler_for
 from dpregistry.spaces import PROJECTED, ProjectedAggregate, Projector, acc_dtype
 
 from .projection import LayerSelection, make_projector, period, projected_shape
@@ -93,6 +93,7 @@ class ProjectedParams(StageParams):
     projector: Literal["gaussian", "identity", "orthogonal"] = Field(
         default="gaussian", description="gaussian: N(0, 1/r) entries (DP-GRAPE); identity/orthogonal: for tests")
     project: LayerSelection = Field(default_factory=LayerSelection)
+    passes: Literal[1, 2] = Field(default=1, description=PASSES_HELP)
 
 
 class ProjectedPerExampleGrad(Estimator):
@@ -118,7 +119,7 @@ class ProjectedPerExampleGrad(Estimator):
             raise UserError(f"no layer is projected (rank {r}, include {sel.include or 'all'}, exclude {sel.exclude}); "
                             "lower the rank or widen estimator.project", key="estimator.project")
         self.current: dict[str, Projector] = self.projectors(ctx.step)
-        self.sampler = GradSampler(module, ctx.params, handler_for=self._handler_for)
+        self.sampler = GradSampler(module, ctx.params, handler_for=self._handler_for, passes=self.cfg.passes)
         self.sampler.check_model(objective.losses, objective.n_train)
 
     def _handler_for(self, module):
