@@ -702,6 +702,14 @@ def _row_sketch(t: torch.Tensor, k: int = 4) -> torch.Tensor:
     return rows @ R
 
 
+def check_passes(passes: int, ctx) -> None:
+    """Refuse the two-pass mode in a run that clips users as one: a user's norm is that of the sum
+    of their rows' gradients, which needs each layer's pieces, and the first pass drops them."""
+    if passes == 2 and ctx.clips_groups:
+        raise UserError("passes: 2 cannot clip a user's examples as one (privacy.unit: user); use passes: 1",
+                        key="estimator.passes")
+
+
 #: the estimators' ``passes`` option: the two ways to the clipped sum
 PASSES_HELP = ("hooks: 1 = book-keeping (one backward; each layer keeps its activation and backprop until the "
                "clipped sum); 2 = the norms in a first backward, the clipped sum from a second, weighted "
@@ -1103,6 +1111,8 @@ class HookContribution(DenseContribution):
     def group_norms(self, groups, n_groups):
         """‖Σ_{i in g} G_i‖ per group, from the regrouped pieces: no per-example gradient of a layer
         kept as factors or rows is formed."""
+        if self.second is not None or self._spent:
+            raise RuntimeError("a two-pass contribution dropped the pieces that the norms of groups need")
         pieces: dict[str, list[Piece]] = {}
         for h, local, uses in self.records:
             for u in uses:

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from dpregistry import Estimator, Objective, StageParams, UserError
 from dpregistry.directions import Direction
-from dpregistry.persample import PASSES_HELP, GradSampler
+from dpregistry.persample import PASSES_HELP, GradSampler, check_passes
 from dpregistry.zeroth_order import central_differences
 from dpregistry.spaces import DENSE, SEEDED_DIRECTION, DenseContribution, DirectionContribution, acc_dtype
 
@@ -53,6 +53,7 @@ class PerExampleGrad(Estimator):
             raise UserError("per_example_grad passes: 2 needs the hooks backend (an objective with a torch module)",
                             key="estimator.passes")
         self.backend = backend
+        check_passes(self.cfg.passes, ctx)
         self.sampler = GradSampler(module, ctx.params, passes=self.cfg.passes) if backend == "hooks" else None
         if self.sampler is not None:
             self.sampler.check_model(objective.losses, objective.n_train)

@@ -24,7 +24,7 @@ from pydantic import Field
 from torch import nn
 
 from dpregistry import Estimator, Objective, StageParams, UserError
-from dpregistry.persample import PASSES_HELP, GradSampler, HookContribution, LinearHandler, Outer, handler_for
+from dpregistry.persample import PASSES_HELP, GradSampler, check_passes, HookContribution, LinearHandler, Outer, handler_for
 from dpregistry.spaces import PROJECTED, ProjectedAggregate, Projector, acc_dtype
 
 from .projection import LayerSelection, make_projector, period, projected_shape
@@ -120,6 +120,7 @@ class ProjectedPerExampleGrad(Estimator):
             raise UserError(f"no layer is projected (rank {r}, include {sel.include or 'all'}, exclude {sel.exclude}); "
                             "lower the rank or widen estimator.project", key="estimator.project")
         self.current: dict[str, Projector] = self.projectors(ctx.step)
+        check_passes(self.cfg.passes, ctx)
         self.sampler = GradSampler(module, ctx.params, handler_for=self._handler_for, passes=self.cfg.passes)
         self.sampler.check_model(objective.losses, objective.n_train)
 
