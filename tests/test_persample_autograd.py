@@ -50,7 +50,7 @@ class Objective:
         return self.loss_of(idx)
 
 
-def setup(model, objective, grape=None, micro=None, passes=1):
+def setup(model, objective, grape=None, micro=None, passes=1, embeddings=False):
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     ctx = Context.detached(params, micro_batch_size=micro, n_train=objective.n_train,
                            provides={ObjectiveStage: objective})
@@ -58,7 +58,7 @@ def setup(model, objective, grape=None, micro=None, passes=1):
         est = PerExampleGrad(PerExampleGrad.Params(backend="hooks", passes=passes))
     else:
         est = ProjectedPerExampleGrad(ProjectedPerExampleGrad.Params(rank=grape, projector="gaussian", passes=passes,
-                                                                     project=LayerSelection(exclude=[])))
+                                                                     project=LayerSelection(exclude=[], embeddings=embeddings)))
     est.setup(ctx)
     return est, ctx
 
@@ -72,15 +72,15 @@ def reference(objective, params, n):
             for j, (k, p) in enumerate(params.items())}
 
 
-def check(model, objective, n, grape=None, micro=None, passes=1):
+def check(model, objective, n, grape=None, micro=None, passes=1, embeddings=False):
     """Norms (the clipping decisions) and the clipped sum against the reference."""
-    est, _, _ = clipped(model, objective, n, grape, micro, passes)
+    est, _, _ = clipped(model, objective, n, grape, micro, passes, embeddings)
     return est
 
 
-def clipped(model, objective, n, grape=None, micro=None, passes=1):
+def clipped(model, objective, n, grape=None, micro=None, passes=1, embeddings=False):
     """``check``, returning the estimator, the norms and the clipped sums."""
-    est, run = setup(model, objective, grape, micro, passes)
+    est, run = setup(model, objective, grape, micro, passes, embeddings)
     contribs = list(est.contributions(objective, torch.arange(n), run))
     ref = reference(objective, run.params, n)
     if grape is not None:  # the projected space: Pᵀ·G_i or G_i·P per projected weight
@@ -497,3 +497,39 @@ def test_a_custom_layer_reading_its_weight_through_another_reference_is_refused(
     obj = Objective(model, lambda i: F.cross_entropy(model(xs[i]), y[i], reduction="none"), 4)
     with pytest.raises(UserError, match=r"parameter 0\.weight is reached in the forward of layer 0 \(KeptReference\)"):
         setup(model, obj)
+
+
+class TwoTables(nn.Module):
+    """A tall table (V > H: projected on the right, R_i = G_i·P, kept as rows) with a padding row,
+    and a wide one (V ≤ H: on the left, R_i = Pᵀ·G_i, kept as factors P[ids]ᵀ·g)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tall = nn.Embedding(40, 12, padding_idx=0)
+        self.wide = nn.Embedding(10, 24)
+        self.mix = nn.Linear(24, 12)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, ids):
+        h = self.tall(ids) + self.mix(torch.tanh(self.wide(ids % 10)))
+        return self.head(torch.tanh(h)).mean(1)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_dp_grape_projects_embedding_tables_where_the_selection_lets_it(passes):
+    """With ``embeddings: true`` the tables are projected too: their norms (clipping decisions) and
+    clipped sums in the projected space equal one-example-at-a-time autograd's G_i·P or Pᵀ·G_i,
+    and the kept pieces are B·T·r rows (right) or factors (left), never a V×H table per example."""
+    torch.manual_seed(11)
+    model = TwoTables().double()
+    ids = torch.randint(0, 40, (7, 5))
+    ids[1, 2:] = 0                    # padding
+    ids[3, 1] = ids[3, 0]             # a repeated row
+    y = torch.randint(0, 3, (7,))
+    obj = Objective(model, lambda i: F.cross_entropy(model(ids[i]), y[i], reduction="none"), 7)
+    assert not {"tall.weight", "wide.weight"} & set(check(model, obj, 7, grape=4).current)  # the paper's default
+    est = check(model, obj, 7, grape=4, passes=passes, embeddings=True)
+    assert est.current["tall.weight"].side == "right" and est.current["wide.weight"].side == "left"
+    handlers = {type(h).__name__ for _, h, local in est.sampler.layers if set(local.values()) & {"tall.weight",
+                                                                                                 "wide.weight"}}
+    assert handlers == {"ProjectedEmbeddingHandler"}
