@@ -157,8 +157,10 @@ def dpregistry_run(method: str, net, X, y, rank: int, device: str):
     if method.startswith("dp_grape"):
         algorithm, estimator, update = "dp_grape", {"name": "projected_per_example_grad", "rank": rank}, \
             {"name": "projected_adam"}
-        if method == "dp_grape_e":
-            estimator["project"] = {"embeddings": True}
+        if method == "dp_grape_e":  # the default exclusions, less "embed"
+            from dpreg_grape.projection import DEFAULT_EXCLUDE
+
+            estimator["project"] = {"embeddings": True, "exclude": [p for p in DEFAULT_EXCLUDE if p != "embed"]}
     else:
         algorithm, update = "dp_adam", {"name": "adam"}
         estimator = {"name": "per_example_grad", "backend": "hooks", "passes": 2 if method == "dp_adam_2p" else 1}
@@ -183,7 +185,9 @@ def make_step(method: str, model: str, B: int, device: str):
     y = torch.randint(0, 2, (B,), generator=g).to(device)
     d = sum(p.numel() for p in net.parameters())
     if method == "adam":
-        opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+        # foreach=False: torch's default multi-tensor Adam holds a temporary per parameter at once,
+        # which would flatter every ratio against this baseline
+        opt = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=False)
 
         def step():
             F.cross_entropy(net(X), y).backward()
@@ -192,7 +196,7 @@ def make_step(method: str, model: str, B: int, device: str):
     elif method.startswith("opacus"):
         from opacus import PrivacyEngine
 
-        opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=False)
         dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X.cpu(), y.cpu()), batch_size=B)
         pe = PrivacyEngine(accountant="rdp")
         if method == "opacus_ghost":
