@@ -1,24 +1,36 @@
-"""Peak memory and step time of dpregistry's DP-Adam and DP-GRAPE against Opacus 1.6 DP-Adam.
+"""dpregistry's DP-Adam and DP-GRAPE against non-private Adam and Opacus 1.6: time and memory.
 
 Models are built from configurations (benchmarks/configs/*.json, random weights): a RoBERTa-style
 encoder with a linear head on the first token, and a small ViT (patch 4, 32 px). Every method runs
-the same model, batch, inputs, clipping (flat, C = 1) and noise multiplier (1.0), with Adam:
+the same model, batch and inputs; the private ones use flat clipping C = 1, noise multiplier 1.0:
 
-* opacus_hooks  Opacus 1.6 PrivacyEngine, grad_sample_mode="hooks" (per-sample gradients stored)
-* opacus_ghost  Opacus 1.6 PrivacyEngine, grad_sample_mode="ghost" (ghost clipping, two backwards)
+* adam          torch.optim.Adam on the mean loss (non-private: the cost to beat)
 * dp_adam       dpregistry per_example_grad (hooks: ghost norms + book-keeping) + gaussian + adam
+* dp_adam_2p    the same with ``passes: 2`` (norms in one backward, the clipped sum from a second)
 * dp_grape      dpregistry projected_per_example_grad + gaussian + projected_adam (rank r)
+* dp_grape_e    the same with the embedding tables projected too (``project.embeddings``; not the paper's)
+* opacus_ghost  Opacus 1.6 PrivacyEngine, grad_sample_mode="ghost" (ghost clipping, two backwards)
+* opacus_hooks  Opacus 1.6 PrivacyEngine, grad_sample_mode="hooks" (per-sample gradients stored)
 
-Memory (CPU): each configuration runs in a fresh subprocess; peak = the process's resident-set
-high-water mark (getrusage ru_maxrss, which the kernel keeps) minus the RSS after the method's
-libraries are imported and before the model is built, so it counts the model, optimizer state,
-activations and per-example buffers, not the Python/torch/Opacus/dpregistry libraries. On a GPU it is torch.cuda.max_memory_allocated() after
-the same steps. Step time: median of the timed steps (default 2) after one warm-up step.
+Time: every method is built in ONE process (one copy of the model each, the same initial weights)
+and the methods' steps alternate, round after round (the order rotates each round), so a change of
+the shared machine's load hits all of them alike. A ratio is taken within each round (the two
+steps a few seconds apart) and min / median / max over the rounds are printed.
 
-Largest batch in a memory budget: peak(B) is measured at B and at ``--fit-factor``·B (default 6),
-the linear fit gives the largest B under the budget (``--verify`` runs one more subprocess at that B to check that it fits).
+Memory: each (method, batch) runs in a fresh process. After the method's libraries are imported
+the process resets the kernel's peak-RSS counter (``/proc/self/clear_refs``), builds the model,
+takes two steps (Adam's state exists from the first update) and reads VmHWM: peak = VmHWM − the
+RSS after the imports, i.e. model, optimizer state, activations and per-example buffers. On a GPU
+(``--device cuda``): torch.cuda.max_memory_allocated.
 
-    python benchmarks/grape_vs_opacus.py [--models roberta vit] [--device cpu]
+Largest batch in a memory budget: the largest batch of the sweep whose measured peak fits, then
+(``--search N``) N bisection steps between it and the first batch that did not fit, each one more
+fresh-process run: every number printed was measured, none is extrapolated.
+
+Each ratio is printed with the target of issue 18 and MET / NOT MET.
+
+    python benchmarks/grape_vs_opacus.py [--models vit roberta] [--batches 8 16 32 64 128 256]
+        [--methods ...] [--rounds 5] [--search 3] [--device cpu] [--out FILE]
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import re
 import statistics
 import subprocess
 import sys
@@ -35,18 +47,47 @@ import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("opacus_hooks", "opacus_ghost", "dp_adam", "dp_grape")
+METHODS = ("adam", "dp_adam", "dp_adam_2p", "dp_grape", "dp_grape_e", "opacus_ghost", "opacus_hooks")
+DEFAULT_METHODS = ("adam", "dp_adam", "dp_grape", "opacus_ghost")
+BATCHES = (8, 16, 32, 64, 128, 256)
 MODELS = {
-    # name: (config, batch, seq/None, rank, budget in MiB)
-    "roberta": ("roberta-style.json", 8, 32, 16, 4096),
-    "vit": ("vit-small.json", 16, None, 32, 2048),
+    # name: (config, sequence length or None, rank, memory budget in MiB)
+    "vit": ("vit-small.json", None, 32, 2048),
+    "roberta": ("roberta-style.json", 32, 16, 4096),
 }
+# (numerator, denominator, what, target): issue 18's table; "≤ x" holds at every batch
+TIME_TARGETS = [("dp_adam", "adam", 1.15), ("dp_adam_2p", "adam", 1.15), ("dp_grape", "dp_adam", 1.2),
+                ("dp_grape_e", "dp_adam", 1.2)]
+MEMORY_TARGETS = [("dp_adam", "opacus_ghost", 0.75), ("dp_adam", "adam", 1.10), ("dp_grape", "opacus_ghost", 0.5),
+                  ("dp_grape", "dp_adam", 0.4), ("dp_adam_2p", "opacus_ghost", 0.75), ("dp_adam_2p", "adam", 1.10),
+                  ("dp_grape_e", "opacus_ghost", 0.5), ("dp_grape_e", "dp_adam", 0.4)]
+BATCH_TARGETS = [(m, "opacus_ghost", 2.0) for m in ("dp_adam", "dp_adam_2p", "dp_grape")]  # ours ≥ 2× Opacus ghost
 
 
-def rss_mib() -> float:
-    import psutil
+def verdict(value: float, target: float, at_least: bool = False) -> str:
+    return "MET" if (value >= target if at_least else value <= target) else "NOT MET"
 
-    return psutil.Process().memory_info().rss / 2 ** 20
+
+# -- building a method ----------------------------------------------------------------------------
+
+
+def import_libraries(method: str) -> None:
+    """Import what ``method`` runs on before the baseline RSS is taken, so its peak counts what the
+    method allocates, not library code."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    if method.startswith("opacus"):
+        import opacus  # noqa: F401
+    elif method != "adam":
+        import dpreg_accounting.accountants  # noqa: F401
+        import dpreg_baseline.estimators  # noqa: F401
+        import dpreg_baseline.privatizers  # noqa: F401
+        import dpreg_baseline.updates  # noqa: F401
+        import dpreg_grape.estimators  # noqa: F401
+        import dpreg_grape.updates  # noqa: F401
+        import dpregistry.recipe  # noqa: F401
+        import dpregistry.run  # noqa: F401
 
 
 def build(model: str, device: str):
@@ -54,7 +95,7 @@ def build(model: str, device: str):
     import transformers
     from torch import nn
 
-    cfg_file, B, T, rank, _ = MODELS[model]
+    cfg_file, T, rank, _ = MODELS[model]
     cfg = json.loads((HERE / "configs" / cfg_file).read_text())
     torch.manual_seed(0)
     if model == "roberta":
@@ -68,7 +109,7 @@ def build(model: str, device: str):
                 return self.head(self.encoder(input_ids=x).last_hidden_state[:, 0])
 
         net = Classifier()
-        make_x = lambda n: torch.randint(3, cfg["vocab_size"], (n, T))  # noqa: E731
+        make_x = lambda n, g: torch.randint(3, cfg["vocab_size"], (n, T), generator=g)  # noqa: E731
     else:
         class Vit(nn.Module):
             def __init__(self):
@@ -79,24 +120,8 @@ def build(model: str, device: str):
                 return self.vit(pixel_values=x).logits
 
         net = Vit()
-        make_x = lambda n: torch.randn(n, 3, cfg["image_size"], cfg["image_size"])  # noqa: E731
+        make_x = lambda n, g: torch.randn(n, 3, cfg["image_size"], cfg["image_size"], generator=g)  # noqa: E731
     return net.to(device).train(), make_x, rank
-
-
-def import_libraries(method: str) -> None:
-    """Import what ``method`` runs on before the baseline RSS is taken, so its peak counts what the
-    method allocates, not library code (dpregistry's run, recipe and registry weigh about 70 MiB)."""
-    if method.startswith("opacus"):
-        import opacus  # noqa: F401
-    else:
-        import dpreg_accounting.accountants  # noqa: F401
-        import dpreg_baseline.estimators  # noqa: F401
-        import dpreg_baseline.privatizers  # noqa: F401
-        import dpreg_baseline.updates  # noqa: F401
-        import dpreg_grape.estimators  # noqa: F401
-        import dpreg_grape.updates  # noqa: F401
-        import dpregistry.recipe  # noqa: F401
-        import dpregistry.run  # noqa: F401
 
 
 def dpregistry_run(method: str, net, X, y, rank: int, device: str):
@@ -129,38 +154,49 @@ def dpregistry_run(method: str, net, X, y, rank: int, device: str):
 
     registry = Registry().load_entry_points()
     registry.add_plugin(StagePlugin(Batch), origin="benchmarks/grape_vs_opacus.py")
-    if method == "dp_grape":
-        estimator, update = {"name": "projected_per_example_grad", "rank": rank}, {"name": "projected_adam"}
+    if method.startswith("dp_grape"):
+        algorithm, estimator, update = "dp_grape", {"name": "projected_per_example_grad", "rank": rank}, \
+            {"name": "projected_adam"}
+        if method == "dp_grape_e":  # the default exclusions, less "embed"
+            from dpreg_grape.projection import DEFAULT_EXCLUDE
+
+            estimator["project"] = {"embeddings": True, "exclude": [p for p in DEFAULT_EXCLUDE if p != "embed"]}
     else:
-        estimator, update = {"name": "per_example_grad", "backend": "hooks"}, {"name": "adam"}
-    recipe = {"algorithm": method, "seed": 0, "objective": {"name": Batch.name}, "sampler": {"name": "full_batch"},
+        algorithm, update = "dp_adam", {"name": "adam"}
+        estimator = {"name": "per_example_grad", "backend": "hooks", "passes": 2 if method == "dp_adam_2p" else 1}
+    recipe = {"algorithm": algorithm, "seed": 0, "objective": {"name": Batch.name}, "sampler": {"name": "full_batch"},
               "estimator": estimator, "privatizer": {"name": "gaussian", "clip": 1.0, "noise_multiplier": 1.0},
               "update": {**update, "lr": 1e-4}, "accountant": {"name": "rdp"},
-              "train": {"steps": 1000, "device": device, "progress": False}}
+              "train": {"steps": 100_000, "device": device, "progress": False}}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "recipe.yaml"
         path.write_text(yaml.safe_dump(recipe, sort_keys=False))
         return Run(load(path, registry=registry)).prepare()
 
 
-def child(method: str, model: str, B: int, device: str, steps: int = 2) -> dict:
-    """One configuration in this (fresh) process: warm-up + timed steps, peak memory."""
+def make_step(method: str, model: str, B: int, device: str):
+    """(step function, number of parameters) of ``method`` on a fresh copy of the model."""
     import torch
+    import torch.nn.functional as F
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(int(os.environ.get("GRAPE_BENCH_THREADS", "2")))
-    import_libraries(method)
-    base = rss_mib()
     net, make_x, rank = build(model, device)
     g = torch.Generator().manual_seed(1)
-    X = make_x(B).to(device)
+    X = make_x(B, g).to(device)
     y = torch.randint(0, 2, (B,), generator=g).to(device)
     d = sum(p.numel() for p in net.parameters())
+    if method == "adam":
+        # foreach=False: torch's default multi-tensor Adam holds a temporary per parameter at once,
+        # which would flatter every ratio against this baseline
+        opt = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=False)
 
-    if method.startswith("opacus"):
+        def step():
+            F.cross_entropy(net(X), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    elif method.startswith("opacus"):
         from opacus import PrivacyEngine
 
-        opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=False)
         dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X.cpu(), y.cpu()), batch_size=B)
         pe = PrivacyEngine(accountant="rdp")
         if method == "opacus_ghost":
@@ -183,92 +219,193 @@ def child(method: str, model: str, B: int, device: str, steps: int = 2) -> dict:
             run.begin_step()
             run.algorithm.step(run)
             run.step += 1
+    return step, d
 
+
+def _sync(device: str) -> None:
     if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+# -- the two kinds of child process ---------------------------------------------------------------
+
+
+def memory_child(method: str, model: str, B: int, device: str) -> dict:
+    """Peak memory of two steps of ``method`` in this fresh process."""
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(int(os.environ.get("GRAPE_BENCH_THREADS", "2")))
+    import_libraries(method)
+    cuda = device != "cpu"
+    base = _kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current RSS
+    step, d = make_step(method, model, B, device)
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
     step()
-    times = []
-    for _ in range(steps):
-        if device != "cpu":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        step()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    if device == "cpu":
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
-    else:
-        peak = torch.cuda.max_memory_allocated() / 2 ** 20
-    return {"method": method, "model": model, "batch": B, "peak_mib": peak,
-            "step_s": statistics.median(times) if times else float("nan"),
-            "params": d}
+    step()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else (_kib("VmHWM") - base) / 1024
+    return {"method": method, "model": model, "batch": B, "peak_mib": peak, "params": d}
 
 
-def spawn(method, model, B, device, steps=2) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", method, model, str(B), "--device", device,
-                          "--steps", str(steps)],
-                         capture_output=True, text=True)
+def time_child(methods: list[str], model: str, B: int, device: str, rounds: int) -> dict:
+    """Every method in this one process; ``rounds`` rounds of one step each, order rotating."""
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(int(os.environ.get("GRAPE_BENCH_THREADS", "2")))
+    steps = {}
+    for m in methods:
+        steps[m], _ = make_step(m, model, B, device)
+        steps[m]()  # warm-up: lazy allocations, Adam's state
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for r in range(rounds):
+        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        for m in order:
+            _sync(device)
+            t = time.perf_counter()
+            steps[m]()
+            _sync(device)
+            times[m].append(time.perf_counter() - t)
+    return {"model": model, "batch": B, "times": times}
+
+
+def spawn(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
     for line in out.stdout.splitlines()[::-1]:
         if line.startswith("{"):
             return json.loads(line)
-    return {"method": method, "model": model, "batch": B, "error": (out.stderr or out.stdout)[-400:]}
+    return {"error": (out.stderr or out.stdout)[-600:].strip()}
+
+
+def peak(method, model, B, device) -> dict:
+    return spawn(["--memory-child", method, model, str(B), "--device", device])
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} (min {min(xs):.3f}, max {max(xs):.3f})"
+
+
+def report_times(model: str, B: int, res: dict, say) -> None:
+    t = res["times"]
+    say(f"  step time, s (median of {len(next(iter(t.values())))} alternating rounds): " +
+        ", ".join(f"{m} {statistics.median(v):.3f}" for m, v in t.items()))
+    for num, den, target in TIME_TARGETS + [("dp_adam", "opacus_ghost", None), ("dp_grape", "opacus_ghost", None)]:
+        if num in t and den in t:
+            ratios = [a / b for a, b in zip(t[num], t[den])]
+            tail = f"target ≤ {target}: {verdict(statistics.median(ratios), target)}" if target else "(no target)"
+            say(f"  time   {num} ÷ {den}: {spread(ratios)}   {tail}")
+
+
+def report_memory(model: str, B: int, mem: dict, say) -> None:
+    say("  peak MiB (fresh process each): " + ", ".join(f"{m} {r['peak_mib']:.0f}" if "peak_mib" in r else f"{m} failed"
+                                                      for m, r in mem.items()))
+    for m, r in mem.items():
+        if "error" in r:
+            say(f"    {m} failed: {r['error'].splitlines()[-1] if r['error'] else '?'}")
+    for num, den, target in MEMORY_TARGETS:
+        if "peak_mib" in mem.get(num, {}) and "peak_mib" in mem.get(den, {}):
+            ratio = mem[num]["peak_mib"] / mem[den]["peak_mib"]
+            say(f"  memory {num} ÷ {den}: {ratio:.3f}   target ≤ {target}: {verdict(ratio, target)}")
+
+
+def largest_batch(method: str, model: str, budget: float, sweep: dict, steps: int, device: str, say) -> int | None:
+    """The largest batch whose measured peak fits the budget: the sweep's, refined by bisection."""
+    fits = [B for B, r in sweep.items() if r.get("peak_mib", float("inf")) <= budget]
+    over = [B for B, r in sweep.items() if r.get("peak_mib", float("inf")) > budget]
+    lo = max(fits) if fits else None
+    hi = min((B for B in over if lo is None or B > lo), default=None)
+    measured = {B: r.get("peak_mib") for B, r in sweep.items()}
+    for _ in range(steps if lo is not None and hi is not None else 0):
+        if hi - lo <= 1:
+            break
+        mid = (lo + hi) // 2
+        r = peak(method, model, mid, device)
+        measured[mid] = r.get("peak_mib")
+        if r.get("peak_mib", float("inf")) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    runs = ", ".join(f"{B}: {p:.0f}" if p is not None else f"{B}: failed" for B, p in sorted(measured.items()))
+    say(f"  {method:<13} largest batch measured to fit {budget:.0f} MiB: {lo if lo is not None else 'none'}"
+        f"{f' (B = {hi} did not)' if hi is not None else ' (the largest batch tried)'}   [peak MiB by batch: {runs}]")
+    return lo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES),
+                    help="the batch sizes swept (a shorter list for a slow machine)")
+    ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
+    ap.add_argument("--rounds", type=int, default=5, help="alternating timed rounds per batch")
+    ap.add_argument("--time-batches", nargs="+", type=int, default=None,
+                    help="time only these batches (default: all of --batches)")
+    ap.add_argument("--search", type=int, default=0, help="bisection steps for the largest batch in the budget")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--no-budget", action="store_true", help="skip the largest-batch search")
-    ap.add_argument("--verify", action="store_true", help="check each predicted largest batch in a subprocess")
-    ap.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up step")
-    ap.add_argument("--fit-factor", type=int, default=6,
-                    help="peak(B) is fitted at B and this multiple of B: small batches sit where the optimizer "
-                         "step's fixed memory, not the per-example buffers, sets the peak")
+    ap.add_argument("--out", default=None, help="also write the report to this file")
+    ap.add_argument("--memory-child", nargs=3, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--time-child", nargs=4, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.child:
-        m, model, B = a.child
-        print(json.dumps(child(m, model, int(B), a.device, a.steps)))
+    if a.memory_child:
+        m, model, B = a.memory_child
+        print(json.dumps(memory_child(m, model, int(B), a.device)))
         return
+    if a.time_child:
+        methods, model, B, rounds = a.time_child
+        print(json.dumps(time_child(methods.split(","), model, int(B), a.device, int(rounds))))
+        return
+
+    lines: list[str] = []
+
+    def say(s: str = "") -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    say(f"# python benchmarks/grape_vs_opacus.py {' '.join(sys.argv[1:])}")
+    say(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.2f} at start, {os.environ.get('GRAPE_BENCH_THREADS', '2')} torch threads, {a.device}")
     for model in a.models:
-        _, B, T, rank, budget = MODELS[model]
-        res = {m: spawn(m, model, B, a.device, a.steps) for m in METHODS}
-        for m, r in res.items():
-            if "error" in r:
-                print(f"{model} {m} failed: {r['error']}")
-        ok = {m: r for m, r in res.items() if "error" not in r}
-        print(f"\n== {model} (from benchmarks/configs/{MODELS[model][0]}; {ok[next(iter(ok))]['params'] / 1e6:.1f}M "
-              f"parameters), batch {B}{f', sequence {T}' if T else ''}, C = 1, σ = 1, Adam, {a.device}")
-        print(f"{'method':<14} {'peak MiB':>9} {'step s':>8}")
-        for m, r in ok.items():
-            print(f"{m:<14} {r['peak_mib']:>9.0f} {r['step_s']:>8.2f}")
-        for ours in ("dp_adam", "dp_grape"):
-            for ref in ("opacus_hooks", "opacus_ghost"):
-                if ours in ok and ref in ok:
-                    mem = ok[ours]["peak_mib"] / ok[ref]["peak_mib"]
-                    tim = ok[ours]["step_s"] / ok[ref]["step_s"]
-                    target = "≤ 1.0" if ours == "dp_adam" else "≤ 0.35 (memory)"
-                    print(f"{ours} ÷ {ref}: memory {mem:.3f}, time {tim:.3f}   (target {target})")
-        if a.no_budget:
-            continue
-        B2 = a.fit_factor * B
-        print(f"largest batch within {budget} MiB (peak(B) fitted at B = {B}, {B2}"
-              f"{'; checked at the prediction' if a.verify else ''}):")
-        for m in METHODS:
-            if m not in ok:
-                continue
-            r2 = spawn(m, model, B2, a.device, 1)  # two steps: Adam's state exists from the first update
-            if "error" in r2:
-                print(f"  {m:<14} failed at batch {B2}")
-                continue
-            slope = (r2["peak_mib"] - ok[m]["peak_mib"]) / (B2 - B)
-            fixed = ok[m]["peak_mib"] - slope * B
-            pred = int((budget - fixed) / slope) if slope > 0 else 10 ** 6
-            chk = spawn(m, model, max(pred, 1), a.device, 1) if a.verify and 0 < pred <= 4096 else None
-            fits = chk is not None and "error" not in chk and chk["peak_mib"] <= budget
-            print(f"  {m:<14} {pred:>6}  ({fixed:.0f} MiB + {slope:.1f} MiB/example; "
-                  f"{'fits: ' + format(chk['peak_mib'], '.0f') + ' MiB' if fits else 'check: ' + (format(chk['peak_mib'], '.0f') + ' MiB' if chk and 'peak_mib' in chk else 'not run')})")
+        _, T, rank, budget = MODELS[model]
+        say(f"\n== {model} (benchmarks/configs/{MODELS[model][0]}){f', sequence {T}' if T else ''}, C = 1, σ = 1, "
+            f"Adam, DP-GRAPE rank {rank}")
+        sweep: dict[str, dict[int, dict]] = {m: {} for m in a.methods}
+        for B in a.batches:
+            say(f"\n-- batch {B}")
+            if not a.no_time and (a.time_batches is None or B in a.time_batches):
+                res = spawn(["--time-child", ",".join(a.methods), model, str(B), str(a.rounds), "--device", a.device])
+                if "error" in res:
+                    say(f"  timing failed: {res['error'].splitlines()[-1]}")
+                else:
+                    report_times(model, B, res, say)
+            if not a.no_memory:
+                mem = {m: peak(m, model, B, a.device) for m in a.methods}
+                for m, r in mem.items():
+                    sweep[m][B] = r
+                report_memory(model, B, mem, say)
+        if not a.no_memory:
+            say(f"\n-- largest batch in {budget} MiB (measured runs only; {a.search} bisection steps)")
+            best = {m: largest_batch(m, model, budget, sweep[m], a.search, a.device, say) for m in a.methods}
+            for num, den, target in BATCH_TARGETS:
+                if best.get(num) and best.get(den):
+                    ratio = best[num] / best[den]
+                    say(f"  largest batch {num} ÷ {den}: {ratio:.2f}   target ≥ {target}: "
+                        f"{verdict(ratio, target, at_least=True)}")
+    if a.out:
+        Path(a.out).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

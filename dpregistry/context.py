@@ -97,6 +97,12 @@ class Context:
         recipe's device still reports a missing model path first)."""
         return self._device()
 
+    @property
+    def clips_groups(self) -> bool:
+        """Whether contributions are clipped per user (``privacy.unit: user`` with user-level
+        sampling): the privatizer then asks for the norms of groups of rows, not of rows."""
+        return self._units is not None
+
     # -- the step's services -------------------------------------------------------------------
 
     def noise(self) -> "SecretStream":

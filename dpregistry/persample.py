@@ -17,7 +17,22 @@ Handlers may transform the factors first (DP-GRAPE keeps (g·P, a) or (g, a·P),
 per-example gradient Pᵀ·g_iᵀa_i is formed directly and the full one never exists).
 
 So a DP step costs one forward and one backward, and the largest per-example object is B·T² (or
-B·out·in for a small layer), never B·d. Layers: Linear, Embedding, LayerNorm and Conv1d/2d; any
+B·out·in for a small layer), never B·d. The choice per call is the cost model below
+(``keeps_per_example``, ``ghost_norm_cheaper``); ``Use.plan`` records it.
+
+Two ways to the clipped sum (``GradSampler(passes=...)``, the estimators' ``passes`` option):
+
+* one pass, book-keeping (the default): the handlers keep their compact state through the
+  backward; the norms and then the sum read it. Each layer's backprop is held until the sum.
+* two passes: the first backward takes each call's norms² the moment its backprop arrives and
+  drops the state (only the inputs stay, which autograd keeps for the second pass anyway); the
+  second backward, of Σ_i w_i·loss_i once the clip weights w are known, hands every layer
+  backprops that already carry w_i, so its plain (masked) sum is its clipped sum. One more
+  input-gradient backward of time; the backprops are never held together.
+
+A two-pass contribution is summed once (the second backward frees the graph).
+
+Layers: Linear, Embedding, LayerNorm and Conv1d/2d; any
 other module that owns trainable parameters gets its per-example gradients of those parameters
 by ``torch.func.vmap`` over the module's own forward (as Opacus does), materialised.
 
@@ -37,6 +52,7 @@ lost or counted twice.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -70,6 +86,33 @@ def _scale_rows(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return _mask_rows(values, weights)
 
 
+# The cost model (Bu et al. 2022-23, "mixed ghost clipping" and book-keeping), per call of a layer
+# whose per-example gradient is G_i = u_iᵀv_i (p×q) from T rows per example:
+#
+#                           memory held until the sum    norms                 the clipped sum
+#   factors ("ghost")       B·T·(p+q)                    2·B·T²·(p+q) flops,    2·B·T·p·q (one GEMM,
+#                                                        B·T² scratch           the weight gradient's)
+#   per-example gradients   B·p·q                        B·p·q                  B·p·q
+#
+# plus 2·B·T·p·q flops to form the per-example gradients. Keeping the smaller of the two is
+# ``keeps_per_example``. Where factors are kept (p·q > T·(p+q)), T < p·q/(p+q) ≤ min(p, q), so
+# T² < p·q and T·(p+q) < p·q: the ghost norm is then also the cheaper norm in time and scratch,
+# and nothing the size of the per-example gradients is ever formed. (Factors transformed by a
+# handler, DP-GRAPE's projected ones, may not satisfy this; ``_factor_sq`` then compares T² with
+# p·q, Bu et al.'s rule, to pick the smaller scratch.)
+
+
+def keeps_per_example(T: int, p: int, q: int) -> bool:
+    """Whether a call's per-example gradients (B·p·q numbers) take no more memory than its
+    factors (B·T·(p+q)): then they are formed, and the activation and backprop are dropped."""
+    return p * q <= T * (p + q)
+
+
+def ghost_norm_cheaper(T: int, p: int, q: int) -> bool:
+    """Whether norms from Gram products (B·T² scratch) beat forming per-example gradients (B·p·q)."""
+    return T * T <= p * q
+
+
 def _linear_weight_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """‖g_iᵀ a_i‖²_F per example, for a [B, T, in] and g [B, T, out], without forming g_iᵀa_i
     when the ghost norm is cheaper (T² ≤ in·out)."""
@@ -77,7 +120,7 @@ def _linear_weight_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     fout = g.shape[-1]
     if T == 1:
         return a.pow(2).sum((1, 2)) * g.pow(2).sum((1, 2))
-    if T * T <= fin * fout:
+    if ghost_norm_cheaper(T, fin, fout):
         aa = torch.bmm(a, a.transpose(1, 2))
         gg = torch.bmm(g, g.transpose(1, 2))
         return (aa * gg).sum((1, 2))
@@ -86,13 +129,14 @@ def _linear_weight_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 class Outer:
     """Per-example products G_i = u_iᵀ v_i (p×q) of u [B, T, p] and v [B, T, q], stored as the
-    factors or materialised ([B, p, q]), whichever takes less memory."""
+    factors or materialised ([B, p, q]), whichever takes less memory (``keeps_per_example``;
+    ``per_example`` forces one form, for tests)."""
 
     __slots__ = ("u", "v", "m")
 
-    def __init__(self, u: torch.Tensor, v: torch.Tensor):
+    def __init__(self, u: torch.Tensor, v: torch.Tensor, per_example: bool | None = None):
         T, p, q = u.shape[1], u.shape[2], v.shape[2]
-        if p * q <= T * (p + q):
+        if keeps_per_example(T, p, q) if per_example is None else per_example:
             self.m, self.u, self.v = torch.bmm(u.transpose(1, 2), v), None, None
         else:
             self.m, self.u, self.v = None, u, v
@@ -207,6 +251,10 @@ def _kind(x: Piece) -> int:
     return 1 if isinstance(x, Outer) and not x.materialised else 2
 
 
+def _piece_kind(x: Piece) -> str:
+    return ("rows", "ghost", "per_example")[_kind(x)]
+
+
 def _dense(x: Piece) -> torch.Tensor:
     return x.m if isinstance(x, Outer) else x
 
@@ -294,7 +342,9 @@ class Use:
 
     module: nn.Module
     inp: Any
-    out: torch.Tensor | None
+    #: a weak reference to the output's base, for the in-place check: holding the output itself
+    #: would keep alive what the forward frees (a layer's output consumed by a residual sum)
+    out: "weakref.ref | None"
     version: int
     keys: tuple = ()  # the module's local names of the parameters this call accounts for
     g: torch.Tensor | None = None
@@ -302,6 +352,13 @@ class Use:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)
+    #: two passes only: the call's norms² by local name (taken in the first backward), then its
+    #: weighted sums (taken in the second)
+    sq: dict | None = None
+    sums: dict | None = None
+    #: how each parameter's per-example gradients were kept: "ghost" (factors; norms from Gram
+    #: products), "per_example" (materialised), "rows" (an embedding's ids and backprops)
+    plan: dict = field(default_factory=dict)
 
 
 class LayerHandler:
@@ -312,6 +369,13 @@ class LayerHandler:
     per-example gradients, so that the activations and backprops of all layers are not held
     together. The other methods read those pieces; their keys are the module's local parameter
     names.
+
+    A handler builds its state from ``use.inp`` (or ``use.args``/``use.kwargs``) and ``use.g``
+    only: in the two-pass mode ``on_backprop`` runs once per backward, the first time followed by
+    ``sq_norms``, the second (with the inputs restored and a backprop that carries the clip
+    weights) by ``weighted``. Handlers are registered per layer type through the
+    ``dpreg_register_grad_samplers`` hook (see :mod:`dpregistry.hookspecs`); a plugin can also
+    substitute its own for chosen layers (``GradSampler(handler_for=...)``, as DP-GRAPE does).
     """
 
     types: tuple = ()
@@ -638,6 +702,21 @@ def _row_sketch(t: torch.Tensor, k: int = 4) -> torch.Tensor:
     return rows @ R
 
 
+def check_passes(passes: int, ctx) -> None:
+    """Refuse the two-pass mode in a run that clips users as one: a user's norm is that of the sum
+    of their rows' gradients, which needs each layer's pieces, and the first pass drops them."""
+    if passes == 2 and ctx.clips_groups:
+        raise UserError("passes: 2 cannot clip a user's examples as one (privacy.unit: user); use passes: 1",
+                        key="estimator.passes")
+
+
+#: the estimators' ``passes`` option: the two ways to the clipped sum
+PASSES_HELP = ("hooks: 1 = book-keeping (one backward; each layer keeps its activation and backprop until the "
+               "clipped sum); 2 = the norms in a first backward, the clipped sum from a second, weighted "
+               "backward (about one backward more time; less memory where the kept backprops outweigh what "
+               "autograd frees as it goes)")
+
+
 class GradSampler:
     """Hooks a module's layers that own trainable parameters; ``capture()`` wraps one forward pass.
 
@@ -647,10 +726,16 @@ class GradSampler:
     """
 
     def __init__(self, model: nn.Module, params: dict[str, torch.Tensor],
-                 handler_for: Callable[[nn.Module], LayerHandler | None] = handler_for):
+                 handler_for: Callable[[nn.Module], LayerHandler | None] = handler_for, passes: int = 1):
         check_forward_is_pure(model)
+        if passes not in (1, 2):
+            raise ValueError(f"passes must be 1 or 2, not {passes!r}")
         self.model = model
         self.params = params
+        #: 1: book-keeping (one backward; each layer's compact state is kept until the sum);
+        #: 2: norms in a first backward, the clipped sum from a second, weighted one (less memory)
+        self.passes = passes
+        self._pass: _Pass | None = None
         #: (module, handler, {local name: parameter name}) of each layer that accounts for parameters
         self.layers: list[tuple[nn.Module, LayerHandler, dict[str, str]]] = []
         self._names: dict[int, str] = {}
@@ -727,16 +812,45 @@ class GradSampler:
             if self._probes is not None:
                 self._check_layout(use, g)
             use.g = g
-            h.on_backprop(use)
+            self._serve(use, h)
 
         if self._anchor is None:
             self._anchor = torch.zeros((), device=output.device, requires_grad=True)
         tapped = _Tap.apply(output, self._anchor, on_backprop)
-        use.out, use.version = tapped, tapped._version
+        # Views share their base's version counter, and a view keeps its base alive: while anything
+        # could still modify the output in place, the weak reference resolves.
+        use.out, use.version = weakref.ref(tapped._base if tapped._base is not None else tapped), tapped._version
         if start is not None:
             use.call = (start, tapped.grad_fn)
         self._uses.setdefault(id(module), []).append(use)
         return tapped
+
+    def _serve(self, use: Use, h: LayerHandler) -> None:
+        """Hand a backprop to the layer's handler, as the backward pass in progress needs it:
+
+        * book-keeping (one pass): the handler keeps its compact state for the norms and the sum;
+        * first of two passes: the norms² now, then the state is dropped (the inputs are kept for
+          the second pass; autograd holds the same tensors for it anyway), except the pieces of
+          parameters reached by several calls, whose cross terms need them all;
+        * second of two passes: the backprop is of Σ_i w_i·loss_i, so the layer's plain sum (rows
+          of weight 0 masked out, NaN-safe) is its clipped sum; then everything is dropped."""
+        p = self._pass
+        if p is None:
+            h.on_backprop(use)
+            use.plan = {k: _piece_kind(v) for k, v in use.state.items()}
+        elif p.mode == "norms":
+            kept = use.inp, use.args, use.kwargs
+            h.on_backprop(use)
+            use.plan = {k: _piece_kind(v) for k, v in use.state.items()}
+            use.sq = h.sq_norms(use)
+            local = self._local[id(use.module)]
+            keep = {k for k in use.keys if local[k] in p.shared}
+            use.state = {k: v for k, v in h.pieces(use).items() if k in keep} if keep else {}
+            use.inp, use.args, use.kwargs, use.g = *kept, None
+        else:
+            h.on_backprop(use)
+            use.sums = h.weighted(use, p.mask)
+            use.state, use.inp, use.g, use.args, use.kwargs = {}, None, None, (), {}
 
     def capture(self, batch_size: int):
         sampler = self
@@ -871,13 +985,16 @@ class GradSampler:
         """
         uses = [u for m, _, _ in self.layers for u in self._uses.get(id(m), [])]
         for u in uses:
-            if u.out._version != u.version:
+            out = u.out() if u.out is not None else None
+            if out is not None and out._version != u.version:
                 raise UserError(f"per-example gradients: the output of {type(u.module).__name__} is modified in "
                                 "place later in the forward pass (e.g. ReLU(inplace=True)); disable in-place ops")
-            u.out = None  # only the autograd graph refers to it now
+            u.out = None
         finite = torch.isfinite(losses)
-        total = torch.where(finite, losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
+        zero = torch.zeros((), dtype=losses.dtype, device=losses.device)
+        total = torch.where(finite, losses, zero).sum()
         anchor, self._anchor = self._anchor, None
+        second = None
         if uses and total.requires_grad:
             if not self._uses_checked:
                 self._check_uses(uses, total.grad_fn)
@@ -885,19 +1002,68 @@ class GradSampler:
                 u.call = None  # the check's references into the graph
             if not self._layout_checked and losses.shape[0] > 1:
                 self._probe_layout(losses, finite, anchor)
+            two = self.passes == 2
+            self._pass = _Pass("norms", shared=_shared_names(uses, self._local)) if two else None
             try:
-                torch.autograd.grad(total, [anchor], allow_unused=True)
+                torch.autograd.grad(total, [anchor], allow_unused=True, retain_graph=two)
             finally:
-                self._probes = self._signs = None
+                self._probes = self._signs = self._pass = None
+            if two:
+                second = _SecondPass(self, losses, finite, anchor)
         self._uses = {}
         by_module: dict[int, list[Use]] = {}
         for u in uses:
             # a call whose tap saw no backprop does not reach the loss: its gradient is zero
-            if u.g is not None or u.state:
+            if u.g is not None or u.state or u.sq is not None:
                 by_module.setdefault(id(u.module), []).append(u)
         records = [(h, local, by_module.get(id(m), [])) for m, h, local in self.layers]
-        return (cls or HookContribution)(records=records, n=losses.shape[0],
-                                         losses=losses.detach(), finite=finite, params=self.params, **extra)
+        return (cls or HookContribution)(records=records, n=losses.shape[0], losses=losses.detach(),
+                                         finite=finite, params=self.params, second=second, **extra)
+
+
+@dataclass
+class _Pass:
+    """Which backward pass is running (``GradSampler._serve``): "norms" (the first of two; the
+    names of parameters that several calls reach keep their pieces) or "sums" (the second;
+    ``mask`` is 1 for the examples that count, 0 for those of weight 0)."""
+
+    mode: str
+    shared: frozenset = frozenset()
+    mask: torch.Tensor | None = None
+
+
+def _shared_names(uses: list[Use], local: dict[int, dict[str, str]]) -> frozenset:
+    """Parameters that more than one call accounts for (their norms need cross terms)."""
+    count: dict[str, int] = {}
+    for u in uses:
+        for k in u.keys:
+            name = local[id(u.module)][k]
+            count[name] = count.get(name, 0) + 1
+    return frozenset(n for n, c in count.items() if c > 1)
+
+
+class _SecondPass:
+    """The second backward of the two-pass mode: backprop Σ_i w_i·loss_i through the graph the
+    first pass kept, so that every layer's plain (masked) sum is its clipped sum. Runs once; then
+    the graph is freed."""
+
+    def __init__(self, sampler: "GradSampler", losses: torch.Tensor, finite: torch.Tensor, anchor: torch.Tensor):
+        self.sampler, self.losses, self.finite, self.anchor = sampler, losses, finite, anchor
+
+    def __call__(self, weights: torch.Tensor) -> None:
+        losses, anchor, self.losses, self.anchor = self.losses, self.anchor, None, None
+        if losses is None:
+            raise RuntimeError("the second pass of a two-pass contribution runs once")
+        keep = (weights > 0) & self.finite.to(weights.device)
+        zero = torch.zeros((), dtype=losses.dtype, device=losses.device)
+        w = torch.where(keep, weights, torch.zeros_like(weights)).to(device=losses.device, dtype=losses.dtype)
+        total = (torch.where(keep.to(losses.device), losses, zero) * w).sum()
+        s = self.sampler
+        s._pass = _Pass("sums", mask=keep.to(weights.dtype))
+        try:
+            torch.autograd.grad(total, [anchor], allow_unused=True)
+        finally:
+            s._pass = None
 
 
 @dataclass
@@ -912,7 +1078,10 @@ class HookContribution(DenseContribution):
     n: int = 0
     finite: torch.Tensor | None = None
     params: dict = field(default_factory=dict)  # for zero sums of layers this batch did not reach
+    #: the two-pass mode's second backward (None: book-keeping, the sums come from the kept state)
+    second: Callable[[torch.Tensor], None] | None = None
     _sq: torch.Tensor | None = None
+    _spent: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -942,6 +1111,8 @@ class HookContribution(DenseContribution):
     def group_norms(self, groups, n_groups):
         """‖Σ_{i in g} G_i‖ per group, from the regrouped pieces: no per-example gradient of a layer
         kept as factors or rows is formed."""
+        if self.second is not None or self._spent:
+            raise RuntimeError("a two-pass contribution dropped the pieces that the norms of groups need")
         pieces: dict[str, list[Piece]] = {}
         for h, local, uses in self.records:
             for u in uses:
@@ -959,22 +1130,39 @@ class HookContribution(DenseContribution):
 
     def norms(self):
         if self._sq is None:
+            if self._spent:
+                raise RuntimeError("a two-pass contribution's norms are taken before its weighted sum")
             shared = self._pieces_of_shared()
+            # (the two-pass mode took each call's norms² in its first backward; same terms, same order)
             terms = [v for h, local, uses in self.records for u in uses
-                     for k, v in h.sq_norms(u).items() if local[k] not in shared]
+                     for k, v in (u.sq if u.sq is not None else h.sq_norms(u)).items() if local[k] not in shared]
             terms += [_sq_of_sum(pieces) for pieces in shared.values()]
             sq = sum(terms[1:], terms[0]) if terms else \
                 torch.zeros(self.n, device=self.finite.device if self.finite is not None else None)
             if self.finite is not None:
                 sq = torch.where(self.finite, sq, torch.full_like(sq, float("nan")))
             self._sq = sq
+            if self.second is not None:  # the pieces kept for cross terms are not needed any more
+                for _, _, uses in self.records:
+                    for u in uses:
+                        u.sq, u.state = None, {}
         return self._sq.sqrt()
 
     def weighted_sum(self, weights):
+        """Σ_i w_i·G_i. In the two-pass mode this runs the second backward, which frees the graph:
+        the sum is then taken once."""
+        if self._spent:
+            raise RuntimeError("a two-pass contribution's weighted sum is taken once (the second backward frees "
+                               "the graph)")
+        if self.second is not None:
+            second, self.second, self._spent = self.second, None, True
+            second(weights)
         out: dict[str, torch.Tensor] = {}
         for h, local, uses in self.records:
             for u in uses:
-                for k, v in h.weighted(u, weights).items():
+                sums = u.sums if u.sums is not None else h.weighted(u, weights)
+                u.sums = None
+                for k, v in sums.items():
                     name = local[k]
                     out[name] = out[name] + v if name in out else v
         for name, p in self.params.items():

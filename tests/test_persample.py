@@ -37,8 +37,8 @@ def reference(model, params, losses_fn):
     return {k: torch.stack([o[j] for o in out]) for j, k in enumerate(params)}
 
 
-def ours(model, params, losses_fn, B):
-    gs = GradSampler(model, params)
+def ours(model, params, losses_fn, B, passes=1):
+    gs = GradSampler(model, params, passes=passes)
     with torch.enable_grad(), gs.capture(B):
         losses = losses_fn()
     return gs.contribution(losses)
@@ -92,9 +92,31 @@ def test_sequences_embedding_padding_layernorm_conv():
     ids[1, :3] = 4             # repeated tokens within an example
     y = torch.randint(0, 2, (5,))
     c = check(m, lambda: F.cross_entropy(m(ids), y, reduction="none"), 5)
-    kept = {type(h).__name__ + str(u[0].state["weight"].materialised) for h, _, u in c.records
-            if "weight" in u[0].state and isinstance(u[0].state["weight"], Outer)}
-    assert kept == {"LinearHandlerFalse", "LinearHandlerTrue", "ConvHandlerFalse"}
+    kept = {type(h).__name__ + ":" + u[0].plan["weight"] for h, _, u in c.records if "weight" in u[0].plan}
+    assert kept == {"LinearHandler:ghost", "LinearHandler:per_example", "ConvHandler:ghost", "EmbeddingHandler:rows",
+                    "LayerNormHandler:per_example"}
+
+
+@pytest.mark.parametrize("T,p,q", [(1, 8, 8), (3, 16, 40), (7, 40, 1), (10, 3, 50), (12, 6, 6), (40, 16, 16),
+                                   (6, 64, 64), (70, 64, 64)])
+def test_the_cost_model_picks_each_layer_form_and_both_forms_agree(T, p, q):
+    """Each call keeps the smaller of its factors (B·T·(p+q)) and its per-example gradients
+    (B·p·q); the norms from factors use Gram products where T² ≤ p·q. Both forms, forced either
+    way, give the norms, weighted sums and per-example gradients of the materialised product."""
+    B = 4
+    u, v = torch.randn(B, T, p), torch.randn(B, T, q)
+    ref = torch.einsum("btp,btq->bpq", u, v)
+    w = torch.tensor([0.5, 0.0, 2.0, 1.0])
+    assert Outer(u, v).materialised == (p * q <= T * (p + q))
+    for form in (True, False):
+        o = Outer(u, v, per_example=form)
+        assert o.materialised == form
+        torch.testing.assert_close(o.sq_norms(), ref.pow(2).sum((1, 2)))
+        torch.testing.assert_close(o.weighted(w), (ref * w.view(-1, 1, 1)).sum(0))
+        torch.testing.assert_close(o.per_example(), ref)
+    # where factors are kept, the ghost norm is also the cheaper norm (time and scratch)
+    if not Outer(u, v).materialised:
+        assert T * T <= p * q and T * (p + q) < p * q
 
 
 def test_outer_stores_the_smaller_form():
@@ -182,14 +204,17 @@ def test_module_owned_parameters_use_the_vmap_fallback():
     check(m, lambda: F.cross_entropy(m(x), y, reduction="none"), 3)
 
 
-def test_nonfinite_example_is_dropped_exactly():
+@pytest.mark.parametrize("passes", [1, 2])
+def test_nonfinite_example_is_dropped_exactly(passes):
+    """In the two-pass mode the NaN example's rows carry 0·NaN = NaN through the second backward;
+    every layer masks them out of its sum."""
     torch.manual_seed(5)
     m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     x = torch.randn(4, 4)
     x[2] = float("nan")
     y = torch.randint(0, 2, (4,))
     params = dict(m.named_parameters())
-    c = ours(m, params, lambda: F.cross_entropy(m(x), y, reduction="none"), 4)
+    c = ours(m, params, lambda: F.cross_entropy(m(x), y, reduction="none"), 4, passes=passes)
     n = c.norms()
     assert math.isnan(n[2]) and torch.isfinite(n[[0, 1, 3]]).all()
     w = torch.tensor([1.0, 0.5, 0.0, 1.0])
@@ -309,3 +334,30 @@ def test_hf_opt_decoder():
         return F.cross_entropy(head(h[:, -1]), y, reduction="none")
 
     check(model, losses, 3, atol=1e-8)
+
+
+def test_a_two_pass_contribution_is_summed_once():
+    """The second backward frees the graph: a second sum, or norms asked for after the sum, would
+    need it again, so they are refused rather than returning zeros."""
+    m = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+    x = torch.randn(4, 3)
+    c = ours(m, dict(m.named_parameters()), lambda: m(x).squeeze(-1), 4, passes=2)
+    c.weighted_sum(torch.ones(4))
+    with pytest.raises(RuntimeError, match="once"):
+        c.weighted_sum(torch.ones(4))
+    with pytest.raises(RuntimeError, match="before"):
+        c.norms()
+
+
+def test_the_two_pass_mode_frees_the_state_of_each_layer_after_its_norm():
+    """After the first backward a two-pass contribution holds norms² ([B] per parameter), not the
+    factors or per-example gradients that the book-keeping mode keeps for its sum."""
+    torch.manual_seed(0)
+    m = SeqModel()
+    ids, y = torch.randint(1, 11, (5, 7)), torch.randint(0, 2, (5,))
+    params = {n: p for n, p in m.named_parameters() if p.requires_grad}
+    one = ours(m, params, lambda: F.cross_entropy(m(ids), y, reduction="none"), 5, passes=1)
+    two = ours(m, params, lambda: F.cross_entropy(m(ids), y, reduction="none"), 5, passes=2)
+    assert all(u.state for _, _, uses in one.records for u in uses)
+    assert not any(u.state for _, _, uses in two.records for u in uses)
+    assert all(v.shape == (5,) for _, _, uses in two.records for u in uses for v in u.sq.values())

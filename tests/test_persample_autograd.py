@@ -50,15 +50,15 @@ class Objective:
         return self.loss_of(idx)
 
 
-def setup(model, objective, grape=None, micro=None):
+def setup(model, objective, grape=None, micro=None, passes=1, embeddings=False):
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     ctx = Context.detached(params, micro_batch_size=micro, n_train=objective.n_train,
                            provides={ObjectiveStage: objective})
     if grape is None:
-        est = PerExampleGrad(PerExampleGrad.Params(backend="hooks"))
+        est = PerExampleGrad(PerExampleGrad.Params(backend="hooks", passes=passes))
     else:
-        est = ProjectedPerExampleGrad(ProjectedPerExampleGrad.Params(rank=grape, projector="gaussian",
-                                                                     project=LayerSelection(exclude=[])))
+        est = ProjectedPerExampleGrad(ProjectedPerExampleGrad.Params(rank=grape, projector="gaussian", passes=passes,
+                                                                     project=LayerSelection(exclude=[], embeddings=embeddings)))
     est.setup(ctx)
     return est, ctx
 
@@ -72,9 +72,15 @@ def reference(objective, params, n):
             for j, (k, p) in enumerate(params.items())}
 
 
-def check(model, objective, n, grape=None, micro=None):
+def check(model, objective, n, grape=None, micro=None, passes=1, embeddings=False):
     """Norms (the clipping decisions) and the clipped sum against the reference."""
-    est, run = setup(model, objective, grape, micro)
+    est, _, _ = clipped(model, objective, n, grape, micro, passes, embeddings)
+    return est
+
+
+def clipped(model, objective, n, grape=None, micro=None, passes=1, embeddings=False):
+    """``check``, returning the estimator, the norms and the clipped sums."""
+    est, run = setup(model, objective, grape, micro, passes, embeddings)
     contribs = list(est.contributions(objective, torch.arange(n), run))
     ref = reference(objective, run.params, n)
     if grape is not None:  # the projected space: Pᵀ·G_i or G_i·P per projected weight
@@ -94,7 +100,7 @@ def check(model, objective, n, grape=None, micro=None):
         expect = (g * scale.view(-1, *[1] * (g.dim() - 1))).sum(0)
         got = sum(t[k] for t in totals)
         torch.testing.assert_close(got, expect, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
-    return est
+    return est, norms, {k: sum(t[k] for t in totals) for k in totals[0]}
 
 
 def text_batch(vocab, n, T, seed, pad=None):
@@ -121,7 +127,7 @@ def lm_losses(model, ids, mask, labels):
 # ------------------------------------------------------------------------------------------
 
 
-def test_bert_sequence_classification():
+def bert_case():
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
@@ -137,17 +143,16 @@ def test_bert_sequence_classification():
         out = model(input_ids=ids[idx], attention_mask=mask[idx], token_type_ids=types[idx])
         return F.cross_entropy(out.logits, y[idx], reduction="none")
 
-    check(model, Objective(model, losses, 6), 6)
+    return model, Objective(model, losses, 6)
+
+
+def test_bert_sequence_classification():
+    check(*bert_case(), 6)
 
 
 @pytest.fixture(scope="module")
 def roberta_mlm():
-    from transformers import RobertaConfig, RobertaForMaskedLM
-
-    torch.manual_seed(1)
-    cfg = RobertaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=20, pad_token_id=1)
-    return RobertaForMaskedLM(cfg).double().eval()
+    return roberta_case()[0]
 
 
 def roberta_objective(model):
@@ -178,9 +183,7 @@ def test_roberta_masked_lm_dp_grape(roberta_mlm):
     assert "lm_head.dense.weight" in est.current and "roberta.embeddings.word_embeddings.weight" not in est.current
 
 
-def test_opt_causal_lm_with_tied_head_and_micro_batches():
-    """T = 14: the tied head's per-example gradients are materialised, the embedding's are rows;
-    two micro-batches, as a run with train.micro_batch_size splits a batch."""
+def opt_case():
     from transformers import OPTConfig, OPTForCausalLM
 
     torch.manual_seed(2)
@@ -190,7 +193,13 @@ def test_opt_causal_lm_with_tied_head_and_micro_batches():
     assert model.lm_head.weight is model.model.decoder.embed_tokens.weight
     ids, mask = text_batch(50, 6, 14, seed=2)
     labels = torch.cat([ids[:, 1:], torch.full((6, 1), -100)], 1)
-    check(model, Objective(model, lm_losses(model, ids, mask, labels), 6), 6, micro=3)
+    return model, Objective(model, lm_losses(model, ids, mask, labels), 6)
+
+
+def test_opt_causal_lm_with_tied_head_and_micro_batches():
+    """T = 14: the tied head's per-example gradients are materialised, the embedding's are rows;
+    two micro-batches, as a run with train.micro_batch_size splits a batch."""
+    check(*opt_case(), 6, micro=3)
 
 
 def test_gpt2_lm_head_with_tied_embeddings():
@@ -205,7 +214,7 @@ def test_gpt2_lm_head_with_tied_embeddings():
     check(model, Objective(model, lm_losses(model, ids, mask, labels), 6), 6)
 
 
-def test_vit_image_classification():
+def vit_case():
     from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(4)
@@ -213,8 +222,12 @@ def test_vit_image_classification():
                     num_attention_heads=2, intermediate_size=32, num_labels=3)
     model = ViTForImageClassification(cfg).double().eval()
     x, y = torch.randn(6, 3, 8, 8), torch.tensor([0, 1, 2, 0, 1, 2])
-    check(model, Objective(model, lambda i: F.cross_entropy(model(pixel_values=x[i]).logits, y[i],
-                                                            reduction="none"), 6), 6)
+    return model, Objective(model, lambda i: F.cross_entropy(model(pixel_values=x[i]).logits, y[i],
+                                                             reduction="none"), 6)
+
+
+def test_vit_image_classification():
+    check(*vit_case(), 6)
 
 
 # ------------------------------------------------------------------------------------------
@@ -264,14 +277,18 @@ class Shared(nn.Module):
         return self.head(h).mean(1)                               # [B, 30]
 
 
-@pytest.mark.parametrize("grape", [None, 4])
-def test_tensors_shared_between_modules(grape):
+def shared_case():
     torch.manual_seed(5)
     model = Shared()
     ids = torch.randint(0, 30, (8, 3))
     ids[2, 1] = ids[2, 0]  # a repeated token
     y = torch.randint(0, 30, (8,))
-    obj = Objective(model, lambda i: F.cross_entropy(model(ids[i]), y[i], reduction="none"), 8)
+    return model, Objective(model, lambda i: F.cross_entropy(model(ids[i]), y[i], reduction="none"), 8)
+
+
+@pytest.mark.parametrize("grape", [None, 4])
+def test_tensors_shared_between_modules(grape):
+    model, obj = shared_case()
     est = check(model, obj, 8, grape=grape)
     held = {n: [m for m, _, local in est.sampler.layers if n in local.values()] for n in ("a.weight", "gate.bias")}
     assert held == {"a.weight": [model.a, model.b, model.c], "gate.bias": [model.gate.inner]}
@@ -295,12 +312,57 @@ class Loop(nn.Module):
         return self.head(h)
 
 
-@pytest.mark.parametrize("steps", [MAX_CROSS_PIECES, MAX_CROSS_PIECES + 1])
-def test_a_layer_called_in_a_loop(steps):
+def loop_case(steps):
     torch.manual_seed(9)
     model = Loop(steps)
     xs, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
-    check(model, Objective(model, lambda i: F.cross_entropy(model(xs[i]), y[i], reduction="none"), 6), 6)
+    return model, Objective(model, lambda i: F.cross_entropy(model(xs[i]), y[i], reduction="none"), 6)
+
+
+@pytest.mark.parametrize("steps", [MAX_CROSS_PIECES, MAX_CROSS_PIECES + 1])
+def test_a_layer_called_in_a_loop(steps):
+    check(*loop_case(steps), 6)
+
+
+# ------------------------------------------------------------------------------------------
+# two passes: the norms from a first backward, the clipped sum from a second, weighted one
+# ------------------------------------------------------------------------------------------
+
+TWO_PASS_CASES = {
+    "bert": (bert_case, 6, {}),
+    "roberta-mlm-tied": (lambda: roberta_case(), 6, {}),
+    "roberta-mlm-dp-grape": (lambda: roberta_case(), 6, {"grape": 4}),
+    "opt-micro-batches": (opt_case, 6, {"micro": 3}),
+    "vit-vmap-fallback": (vit_case, 6, {}),
+    "shared": (shared_case, 8, {}),
+    "shared-dp-grape": (shared_case, 8, {"grape": 4}),
+    "loop": (lambda: loop_case(MAX_CROSS_PIECES + 1), 6, {}),
+}
+
+
+def roberta_case():
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    torch.manual_seed(1)
+    cfg = RobertaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=20, pad_token_id=1)
+    model = RobertaForMaskedLM(cfg).double().eval()
+    return model, roberta_objective(model)
+
+
+@pytest.mark.parametrize("case", list(TWO_PASS_CASES))
+def test_two_passes_agree_with_autograd_and_with_one_pass(case):
+    """Both modes against one-example-at-a-time autograd (``clipped`` checks each), and against
+    each other: the norms are the same numbers (the same terms, taken in the first backward),
+    the clipped sums agree to rounding (the second backward carries w_i from the loss down, the
+    book-keeping sum multiplies it in at each layer)."""
+    build, n, kw = TWO_PASS_CASES[case]
+    model, obj = build()
+    _, norms1, sums1 = clipped(model, obj, n, passes=1, **kw)
+    _, norms2, sums2 = clipped(model, obj, n, passes=2, **kw)
+    assert torch.equal(norms1, norms2)
+    for k in sums1:
+        torch.testing.assert_close(sums2[k], sums1[k], rtol=1e-12, atol=1e-14, msg=lambda m: f"{k}: {m}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -435,3 +497,39 @@ def test_a_custom_layer_reading_its_weight_through_another_reference_is_refused(
     obj = Objective(model, lambda i: F.cross_entropy(model(xs[i]), y[i], reduction="none"), 4)
     with pytest.raises(UserError, match=r"parameter 0\.weight is reached in the forward of layer 0 \(KeptReference\)"):
         setup(model, obj)
+
+
+class TwoTables(nn.Module):
+    """A tall table (V > H: projected on the right, R_i = G_i·P, kept as rows) with a padding row,
+    and a wide one (V ≤ H: on the left, R_i = Pᵀ·G_i, kept as factors P[ids]ᵀ·g)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tall = nn.Embedding(40, 12, padding_idx=0)
+        self.wide = nn.Embedding(10, 24)
+        self.mix = nn.Linear(24, 12)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, ids):
+        h = self.tall(ids) + self.mix(torch.tanh(self.wide(ids % 10)))
+        return self.head(torch.tanh(h)).mean(1)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_dp_grape_projects_embedding_tables_where_the_selection_lets_it(passes):
+    """With ``embeddings: true`` the tables are projected too: their norms (clipping decisions) and
+    clipped sums in the projected space equal one-example-at-a-time autograd's G_i·P or Pᵀ·G_i,
+    and the kept pieces are B·T·r rows (right) or factors (left), never a V×H table per example."""
+    torch.manual_seed(11)
+    model = TwoTables().double()
+    ids = torch.randint(0, 40, (7, 5))
+    ids[1, 2:] = 0                    # padding
+    ids[3, 1] = ids[3, 0]             # a repeated row
+    y = torch.randint(0, 3, (7,))
+    obj = Objective(model, lambda i: F.cross_entropy(model(ids[i]), y[i], reduction="none"), 7)
+    assert not {"tall.weight", "wide.weight"} & set(check(model, obj, 7, grape=4).current)  # the paper's default
+    est = check(model, obj, 7, grape=4, passes=passes, embeddings=True)
+    assert est.current["tall.weight"].side == "right" and est.current["wide.weight"].side == "left"
+    handlers = {type(h).__name__ for _, h, local in est.sampler.layers if set(local.values()) & {"tall.weight",
+                                                                                                 "wide.weight"}}
+    assert handlers == {"ProjectedEmbeddingHandler"}

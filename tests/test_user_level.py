@@ -355,6 +355,26 @@ def test_uls_trains_a_model_of_ones_own_data_with_users():
     assert math.isfinite(r.metrics["loss"])
 
 
+def test_the_two_pass_mode_is_refused_where_users_are_clipped_as_one():
+    """A user's norm needs each layer's pieces, which the two-pass mode drops after its first
+    backward: a ULS run refuses ``passes: 2`` before it starts, and a two-pass contribution
+    refuses group norms rather than reading the emptied pieces (as zero norms, i.e. unclipped)."""
+    users = torch.arange(240) // 12
+    with pytest.raises(UserError, match="passes: 2") as e:
+        _own_run({"algorithm": "dp_sgd", "update": {"lr": 0.1}, "train": {"steps": 2, "progress": False},
+                  "estimator": {"backend": "hooks", "passes": 2},
+                  "sampler": {"name": "user_poisson", "users_per_step": 5},
+                  "privacy": {"epsilon": 4.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 6}}, users)
+    assert e.value.key == "estimator.passes"
+    obj = Tokens()
+    ctx = Context.detached(dict(obj.model.named_parameters()), n_train=obj.n_train, provides={Objective: obj})
+    est = PerExampleGrad(PerExampleGrad.Params(backend="hooks", passes=2))
+    est.setup(ctx)
+    contrib = next(est.contributions(obj, torch.arange(obj.n_train), ctx))
+    with pytest.raises(RuntimeError, match="groups"):
+        contrib.group_norms(torch.arange(obj.n_train) // 6, 4)
+
+
 # -- the shipped recipes at the user level ----------------------------------------------------------
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

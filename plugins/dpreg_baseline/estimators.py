@@ -9,7 +9,7 @@ from pydantic import Field
 
 from dpregistry import Estimator, Objective, StageParams, UserError
 from dpregistry.directions import Direction
-from dpregistry.persample import GradSampler
+from dpregistry.persample import PASSES_HELP, GradSampler, check_passes
 from dpregistry.zeroth_order import central_differences
 from dpregistry.spaces import DENSE, SEEDED_DIRECTION, DenseContribution, DirectionContribution, acc_dtype
 
@@ -24,6 +24,7 @@ def empty_dense(params) -> DenseContribution:
 class PerExampleGradParams(StageParams):
     backend: Literal["auto", "hooks", "functorch"] = Field(
         default="auto", description="hooks: ghost norms + book-keeping (lean); functorch: vmap(grad)")
+    passes: Literal[1, 2] = Field(default=1, description=PASSES_HELP)
 
 
 class PerExampleGrad(Estimator):
@@ -48,8 +49,12 @@ class PerExampleGrad(Estimator):
         if backend == "hooks" and module is None:
             raise UserError("per_example_grad backend 'hooks' needs an objective with a torch module",
                             key="estimator.backend")
+        if self.cfg.passes == 2 and backend != "hooks":
+            raise UserError("per_example_grad passes: 2 needs the hooks backend (an objective with a torch module)",
+                            key="estimator.passes")
         self.backend = backend
-        self.sampler = GradSampler(module, ctx.params) if backend == "hooks" else None
+        check_passes(self.cfg.passes, ctx)
+        self.sampler = GradSampler(module, ctx.params, passes=self.cfg.passes) if backend == "hooks" else None
         if self.sampler is not None:
             self.sampler.check_model(objective.losses, objective.n_train)
 

@@ -87,10 +87,11 @@ class Adam(UpdateRule):
             m, v = s.m[k], s.v[k]
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            step = m / (v.sqrt() + self.cfg.eps)
+            step = v.sqrt()  # m / (√v + eps) · alpha, the same numbers, in one temporary (not four)
+            step = torch.div(m, step.add_(self.cfg.eps), out=step).mul_(alpha)
             if self.cfg.weight_decay:
                 x.mul_(1 - self.cfg.lr * self.cfg.weight_decay)
-            x.sub_((alpha * step).to(x.dtype))
+            x.sub_(step.to(x.dtype))
 
 
 class DirectionalSGDParams(StageParams):

@@ -24,7 +24,8 @@ from pydantic import Field
 from torch import nn
 
 from dpregistry import Estimator, Objective, StageParams, UserError
-from dpregistry.persample import GradSampler, HookContribution, LinearHandler, Outer, handler_for
+from dpregistry.persample import (PASSES_HELP, EmbeddingHandler, GradSampler, HookContribution, LinearHandler, Outer,
+                                 check_passes, handler_for)
 from dpregistry.spaces import PROJECTED, ProjectedAggregate, Projector, acc_dtype
 
 from .projection import LayerSelection, make_projector, period, projected_shape
@@ -66,9 +67,35 @@ class ProjectedLinearHandler(LinearHandler):
         return projected_shape(tuple(use.module.weight.shape), pr.side, pr.rank)
 
 
+class ProjectedEmbeddingHandler(EmbeddingHandler):
+    """An embedding table (V × H) whose gradient is kept only in projected form, for a recipe that
+    projects embeddings (``project: {embeddings: true, exclude: [...]}``; the paper does not). G_i is the
+    scatter of the backprops g_i into the rows ids_i, so
+
+    * right (V > H, the usual table): R_i = G_i P = scatter of g_i P into the rows ids_i   [V × r]
+    * left  (V ≤ H):                  R_i = Pᵀ G_i = Σ_t P[ids_it]ᵀ g_it                   [r × H]
+
+    and the update's moments are V·r (or r·H) numbers instead of V·H."""
+
+    def __init__(self, estimator: "ProjectedPerExampleGrad", name: str):
+        self.estimator = estimator
+        self.name = name
+
+    def on_backprop(self, use):
+        super().on_backprop(use)
+        rows = use.state["weight"]
+        pr = self.estimator.current[self.name]
+        if pr.side == "right":
+            rows.g = rows.g @ pr.matrix(rows.g.device, rows.g.dtype)
+        else:
+            P = pr.matrix(rows.g.device, rows.g.dtype)
+            use.state["weight"] = Outer(P[rows.ids], rows.g)
+
+
 def select_layers(module: nn.Module, params: dict[str, torch.Tensor], sel: LayerSelection,
                   rank: int | None) -> dict[int, str]:
     """The Linear layers whose weight is projected: module id -> weight name (spec §1.2, §6.5).
+    Embedding tables too where the selection asks for them (``embeddings: true``).
 
     A weight that is tied to another layer (an LM head sharing the embedding) stays dense.
     """
@@ -79,7 +106,8 @@ def select_layers(module: nn.Module, params: dict[str, torch.Tensor], sel: Layer
             uses[id(p)] = uses.get(id(p), 0) + 1
     out = {}
     for m in module.modules():
-        if type(m) is not nn.Linear or id(m.weight) not in names or uses[id(m.weight)] > 1:
+        kinds = (nn.Linear, nn.Embedding) if sel.embeddings else (nn.Linear,)
+        if type(m) not in kinds or id(m.weight) not in names or uses[id(m.weight)] > 1:
             continue
         name = names[id(m.weight)]
         if sel.selects(name, tuple(m.weight.shape), rank):
@@ -93,6 +121,7 @@ class ProjectedParams(StageParams):
     projector: Literal["gaussian", "identity", "orthogonal"] = Field(
         default="gaussian", description="gaussian: N(0, 1/r) entries (DP-GRAPE); identity/orthogonal: for tests")
     project: LayerSelection = Field(default_factory=LayerSelection)
+    passes: Literal[1, 2] = Field(default=1, description=PASSES_HELP)
 
 
 class ProjectedPerExampleGrad(Estimator):
@@ -119,12 +148,15 @@ class ProjectedPerExampleGrad(Estimator):
             raise UserError(f"no layer is projected (rank {r}, include {sel.include or 'all'}, exclude {sel.exclude}); "
                             "lower the rank or widen estimator.project", key="estimator.project")
         self.current: dict[str, Projector] = self.projectors(ctx.step)
-        self.sampler = GradSampler(module, ctx.params, handler_for=self._handler_for)
+        check_passes(self.cfg.passes, ctx)
+        self.sampler = GradSampler(module, ctx.params, handler_for=self._handler_for, passes=self.cfg.passes)
         self.sampler.check_model(objective.losses, objective.n_train)
 
     def _handler_for(self, module):
         name = self.projected.get(id(module))
-        return ProjectedLinearHandler(self, name) if name is not None else handler_for(module)
+        if name is None:
+            return handler_for(module)
+        return (ProjectedEmbeddingHandler if isinstance(module, nn.Embedding) else ProjectedLinearHandler)(self, name)
 
     def projectors(self, step: int) -> dict[str, Projector]:
         """The projectors of engine step ``step``: one seed per layer per period (public randomness)."""

@@ -31,6 +31,8 @@ class LayerSelection(BaseModel):
     include: list[str] = Field(default_factory=list, description="regexes; empty: every Linear weight")
     exclude: list[str] = Field(default_factory=lambda: list(DEFAULT_EXCLUDE))
     min_dim_gt_rank: bool = Field(default=True, description="project only when min(m, n) > r")
+    embeddings: bool = Field(default=False, description="project embedding tables too (the paper does not): their "
+                             "Adam moments are then V·r, not V·H; ``exclude`` still applies to their names")
 
     def selects(self, name: str, shape: tuple[int, ...], rank: int | None) -> bool:
         if len(shape) != 2:

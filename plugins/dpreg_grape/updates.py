@@ -49,7 +49,14 @@ class AdamMoments:
         m, v = self.m[k], self.v[k]
         m.mul_(b1).add_(g, alpha=1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        return m / (v.sqrt() + eps), alpha
+        return _adam_ratio(m, v, eps), alpha
+
+
+def _adam_ratio(m: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+    """M/(√V + φ) in one new tensor (the same numbers as ``m / (v.sqrt() + eps)``, which allocates
+    three: at an embedding table's size that transient is hundreds of MiB)."""
+    out = v.sqrt()
+    return torch.div(m, out.add_(eps), out=out)
 
 
 def _released(params, release):
@@ -94,7 +101,7 @@ class ProjectedAdam(UpdateRule):
             step, alpha = s.direction(k, g, c.lr, c.betas, c.eps)
             if pr is not None:
                 step = pr.back(step)
-            x.sub_((alpha * step).to(x.dtype))
+            x.sub_(step.mul_(alpha).to(x.dtype))  # the numbers of (alpha * step), without a copy
 
 
 class ProjectedSGDParams(StageParams):
