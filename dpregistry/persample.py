@@ -1117,11 +1117,15 @@ class HookContribution(DenseContribution):
         for h, local, uses in self.records:
             for u in uses:
                 for k, v in h.pieces(u).items():
-                    pieces.setdefault(local[k], []).append(regroup(v, groups, n_groups))
-        terms = [_sq_of_sum(p) if len(p) > 1 else _piece_sq(p[0]) for p in pieces.values()]
-        if not terms:
+                    pieces.setdefault(local[k], []).append(v)
+        sq = None
+        for ps in pieces.values():  # one parameter's regrouped copy at a time: memory of one layer, not all
+            grouped = [regroup(v, groups, n_groups) for v in ps]
+            term = _sq_of_sum(grouped) if len(grouped) > 1 else _piece_sq(grouped[0])
+            sq = term if sq is None else sq + term
+            del grouped
+        if sq is None:
             return torch.zeros(n_groups)
-        sq = sum(terms[1:], terms[0])
         if self.finite is not None:  # a group with a non-finite row has no finite norm
             bad = torch.zeros(n_groups, device=sq.device).index_add_(
                 0, groups.to(sq.device), (~self.finite.to(sq.device)).to(torch.float32))
