@@ -175,10 +175,10 @@ def test_model_loading_draws_no_third_party_progress_bar(capfd):
     """transformers' own per-load bar and head warnings are silenced: the run's progress speaks."""
     from transformers.utils import logging as tlog
 
-    bars = tlog.is_progress_bar_enabled()
+    tlog.enable_progress_bar()  # as in a fresh process (another test may have turned them off)
     sst2 = Path(__file__).resolve().parent / "data" / "sst2"
     dpregistry.train("minilm_sst2_dp_adam", set=[f"data.path={sst2}", "train.steps=1", "data.k_per_class=8",
                                                   "sampler.batch_size=4", "privacy.noise=reproducible"], verbose=False)
     out, err = capfd.readouterr()
     assert "Loading weights" not in out + err and "it/s" not in out + err
-    assert tlog.is_progress_bar_enabled() == bars  # restored for the user's own loads afterwards
+    assert tlog.is_progress_bar_enabled()  # restored for the user's own loads afterwards
