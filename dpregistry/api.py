@@ -178,9 +178,9 @@ def leave(comm) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _own_objects(model, loss, train_data, eval_data, metrics) -> dict[type, Any] | None:
+def _own_objects(model, loss, train_data, eval_data, metrics, users=None) -> dict[type, Any] | None:
     given = {"model": model, "loss": loss, "train_data": train_data}
-    if all(v is None for v in given.values()) and eval_data is None and not metrics:
+    if all(v is None for v in given.values()) and eval_data is None and not metrics and users is None:
         return None
     missing = [k for k, v in given.items() if v is None]
     if missing:
@@ -188,24 +188,26 @@ def _own_objects(model, loss, train_data, eval_data, metrics) -> dict[type, Any]
                         key=missing[0])
     from .own import OwnObjects
 
-    return {OwnObjects: OwnObjects(model, loss, train_data, eval_data, dict(metrics or {}))}
+    return {OwnObjects: OwnObjects(model, loss, train_data, eval_data, dict(metrics or {}), users)}
 
 
 def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str | Path | None = None,
           overwrite: bool = False, verbose: bool = True, model=None, loss: Callable | None = None,
-          train_data=None, eval_data=None, metrics: dict[str, Callable] | None = None, console=None) -> Result:
+          train_data=None, eval_data=None, metrics: dict[str, Callable] | None = None, users=None,
+          console=None) -> Result:
     """Train privately with ``recipe`` (a path, a shipped name or a dict) and return the :class:`Result`.
 
     ``set``: overrides as with ``dpreg run --set`` (``["privatizer.clip=2"]``). ``out``: a run
     folder for checkpoints, metrics and the model (None: in memory only). ``model``, ``loss``,
     ``train_data``, ``eval_data``, ``metrics``: your own, for the ``python`` objective (see
     :mod:`dpregistry.own`); the recipe then holds only the stages, the budget and the schedule.
+    ``users``: the user of each training example, for ``privacy.unit: user`` (:mod:`dpregistry.users`).
     ``verbose``: progress bars (terminal or notebook) while it trains."""
     from .folder import check_out, claim, start_run
     from .run import Run
 
     quiet_libraries()
-    provides = _own_objects(model, loss, train_data, eval_data, metrics)
+    provides = _own_objects(model, loss, train_data, eval_data, metrics, users)
     comm = process_group()
     r = load_recipe(recipe, set, own=provides is not None)
     out_dir = on_rank0_for_all(comm, lambda: check_out(Path(out), overwrite)) if out is not None else None
@@ -221,7 +223,7 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
 
 
 def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: int | None = None, model=None,
-           loss: Callable | None = None, train_data=None, eval_data=None, metrics=None, console=None,
+           loss: Callable | None = None, train_data=None, eval_data=None, metrics=None, users=None, console=None,
            warn: Callable[[str], None] | None = None, say: Callable[[str], None] | None = None) -> Result:
     """Continue the run of ``run_dir`` from its newest valid checkpoint (the privacy ledger
     continues too). A run of your own model needs the same model, loss and data again. ``say``
@@ -236,7 +238,7 @@ def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: in
         raise UserError("run folder not found", file=str(run_dir))
     if not (run_dir / "recipe.json").exists():
         raise not_a_run_folder(run_dir)
-    provides = _own_objects(model, loss, train_data, eval_data, metrics)
+    provides = _own_objects(model, loss, train_data, eval_data, metrics, users)
     comm = process_group()
     rank0 = comm is None or comm.rank == 0
     with ExitStack() as held:
@@ -258,9 +260,9 @@ def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: in
 
 def spent(run) -> str:
     """What a run's ledger has spent, against its budget, in words."""
-    s = run.accountant.spent()
+    s = run.spent()
     if s.get("epsilon") is not None:
-        of = f" of {run.budget.epsilon:g}" if run.budget.epsilon else ""
+        of = f" of {run.target.epsilon:g}" if run.target.epsilon else ""
         return f"ε = {s['epsilon']:.4g}{of} at δ = {s.get('delta'):g}"
     if s.get("rho") is not None:
         of = f" of {s['target_rho']:.4g}" if s.get("target_rho") is not None else ""

@@ -109,6 +109,10 @@ def _print_summary(summary: dict, out: Path | None) -> None:
     if summary.get("rho") is not None:
         target = summary.get("target_rho")
         t.add_row("zCDP", f"ρ = {summary['rho']:.4g}" + (f" of {target:.4g}" if target is not None else ""))
+    if summary.get("unit"):
+        from .users import unit_statement
+
+        t.add_row("privacy unit", unit_statement(summary))
     if summary.get("noise_multiplier") is not None:
         t.add_row("noise multiplier", f"{summary['noise_multiplier']:.4g}")
     if summary.get("noise"):
@@ -222,8 +226,7 @@ def validate(recipe: str, set_: SetOpt = None):
         r = load_recipe(recipe, set_)
         run_ = Run(r).prepare()
     z = run_.privatizer.noise_multiplier
-    eps = run_.accountant.epsilon(extra=run_.plan()) \
-        if run_.budget.delta and z is not None and not run_.algorithm.adaptive else None
+    eps = run_.planned_epsilon() if run_.budget.delta and z is not None and not run_.algorithm.adaptive else None
     msg = f"ok: {recipe}"
     if z is not None:
         msg += f" (noise multiplier {z:.4g}"
@@ -420,6 +423,9 @@ def privacy_report(run_dir: Path,
         from .rng import noise_statement
 
         console.print(f"noise {rep['noise']}: {noise_statement(rep['noise'])}")
+    from .users import unit_statement
+
+    console.print(f"privacy unit: {unit_statement(rep.get('summary') or {'unit': rep.get('unit')})}")
     if rep.get("noise_multiplier") is not None:
         console.print(f"noise multiplier {rep['noise_multiplier']:.6g}")
     t = Table("steps", "count", "partition", "event", title="ledger")

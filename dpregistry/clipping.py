@@ -19,7 +19,11 @@ def clip_weights(norms: torch.Tensor, clip: float, finite: torch.Tensor) -> torc
 
 
 def clip_and_sum(contribution, clip: float) -> ClippedSum:
-    """Σ_i min(1, C/‖c_i‖)·c_i over the finite examples, with counts for logging."""
+    """Σ_i min(1, C/‖c_i‖)·c_i over the finite examples, with counts for logging; in a user-level
+    run (``contribution.groups``), over the users: Σ_u min(1, C/‖m_u‖)·m_u with m_u the mean of
+    the user's rows."""
+    if contribution.groups is not None:
+        return _clip_groups(contribution, clip)
     norms = contribution.norms()
     finite = torch.isfinite(norms)
     losses = contribution.losses
@@ -30,3 +34,30 @@ def clip_and_sum(contribution, clip: float) -> ClippedSum:
     loss_sum = float(losses[finite.to(losses.device)].sum()) if losses is not None and losses.numel() else 0.0
     return ClippedSum(agg, count=int(norms.numel()), clipped=int((finite & (norms > clip)).sum()),
                       nonfinite=int((~finite).sum()), loss_sum=loss_sum, kind=contribution.kind)
+
+
+def _clip_groups(contribution, clip: float) -> ClippedSum:
+    """Each user's rows are one unit: their mean, clipped to C as one vector (ULS, Charles et al.
+    2024), so a user moves the clipped sum by at most C whatever their data. A user any of whose
+    rows is not finite is dropped whole."""
+    users, local = torch.unique(contribution.groups, return_inverse=True)
+    n = len(users)
+    sums = contribution.group_norms(local, n)
+    local = local.to(sums.device)
+    rows = torch.bincount(local, minlength=n).to(sums.dtype)
+    bad = torch.zeros(n, dtype=sums.dtype, device=sums.device)
+    losses = contribution.losses
+    if losses is not None and losses.numel():
+        bad.index_add_(0, local, (~torch.isfinite(losses.to(sums.device))).to(sums.dtype))
+    finite = torch.isfinite(sums) & (bad == 0)
+    means = sums / rows
+    w = clip_weights(means, clip, finite) / rows          # per user: min(1, C/‖mean‖) / m_u
+    agg = contribution.weighted_sum(w[local])
+    loss_sum = 0.0
+    if losses is not None and losses.numel():
+        per_user = torch.zeros(n, dtype=torch.float64, device=sums.device).index_add_(
+            0, local, losses.to(sums.device, torch.float64).nan_to_num(0.0, 0.0, 0.0))
+        loss_sum = float((per_user / rows.double())[finite].sum())
+    return ClippedSum(agg, count=n, clipped=int((finite & (means > clip)).sum()), nonfinite=int((~finite).sum()),
+                      loss_sum=loss_sum, kind=contribution.kind)
+

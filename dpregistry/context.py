@@ -87,6 +87,7 @@ class Context:
     ledger: Any                        # the privacy ledger so far (read it, never write it)
     adaptive: bool = False             # the algorithm chooses its noise adaptively (a filter guards it)
     _batch_size: Callable[["Context"], float] | None = field(default=None, repr=False)
+    _units: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)  # user of each index
     _services: _StepServices = field(default_factory=_StepServices, repr=False)
     _provider: Callable[[type], Any] | None = field(default=None, repr=False)
 
@@ -106,6 +107,25 @@ class Context:
         stream = s._noise(s.calls)
         s.calls += 1
         return stream
+
+    def micro_batches(self, indices: torch.Tensor):
+        """``indices`` in chunks of at most ``micro_batch_size`` (the physical batch), never cutting
+        a unit apart: in a user-level run a user's records stay in one chunk (clipped as one)."""
+        size = self.micro_batch_size or max(len(indices), 1)
+        if self._units is None:
+            for i in range(0, len(indices), size):
+                yield indices[i:i + size]
+            return
+        units = self._units(indices)
+        cuts = (torch.nonzero(units[1:] != units[:-1]).squeeze(1) + 1).tolist() + [len(indices)]
+        start = prev = 0
+        for cut in cuts:  # whole units, until the next one would overflow the chunk
+            if cut - start > size and prev > start:
+                yield indices[start:prev]
+                start = prev
+            prev = cut
+        if start < len(indices):
+            yield indices[start:]
 
     def expected_batch_size(self) -> float:
         """The sampler's expected batch size at this step: the denominator of a privatized mean."""

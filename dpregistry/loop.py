@@ -153,17 +153,19 @@ def finish(run: Run, t0: float, *, evaluate: bool = True) -> dict[str, Any]:
 
 
 def _summary(run: Run, metrics: dict[str, float], t0: float, *, written: bool = True) -> dict[str, Any]:
-    spent = run.accountant.spent()
+    spent = run.spent()
     summary = {
         "step": run.step,
         "epsilon": spent.get("epsilon"),
         "delta": spent.get("delta"),
-        "target_epsilon": run.budget.epsilon,
+        "target_epsilon": run.target.epsilon,
         "rho": spent.get("rho"),
         "target_rho": spent.get("target_rho"),
         "accountant": run.accountant.name,
         "relation": run.relation,
         "noise_multiplier": run.privatizer.noise_multiplier,
+        **{k: spent[k] for k in ("unit", "users", "max_examples_per_user", "user_mechanism", "user_selection",
+                                 "example_level") if k in spent},
         "noise": run.rng.noise_mode,
         "guarantee": run.rng.guarantee,
         "metrics": metrics,

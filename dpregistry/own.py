@@ -30,6 +30,7 @@ from .errors import UserError
 from .objectives import TorchObjective
 from .progress import track
 from .stages import StageParams
+from .users import UserIds
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class OwnObjects:
     train_data: Any
     eval_data: Any = None
     metrics: dict[str, Callable] = field(default_factory=dict)
+    users: Any = None  # the user of each training example (privacy.unit: user)
 
 
 class OwnParams(StageParams):
@@ -73,6 +75,17 @@ class OwnObjective(TorchObjective):
     name = "python"
     Params = OwnParams
     needs = (OwnObjects,)
+    provides = (UserIds,)
+
+    def provide(self, kind):
+        if self.own.users is None:
+            raise UserError("privacy.unit: user needs the user of each training example: pass users=[...] to "
+                            "dpregistry.train", key="privacy.unit")
+        ids = torch.as_tensor(self.own.users).reshape(-1)
+        if len(ids) != self.n_train or ids.is_floating_point():
+            raise UserError(f"users must hold one integer user id per training example ({self.n_train}), got "
+                            f"{tuple(ids.shape)} {ids.dtype}", key="users")
+        return UserIds(ids.to(torch.int64))
 
     def build(self, ctx):
         from torch.utils.data import default_collate

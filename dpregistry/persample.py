@@ -233,6 +233,46 @@ def piece_dot(x: Piece, y: Piece) -> torch.Tensor:
 MAX_CROSS_PIECES = 16
 
 
+def regroup(x: Piece, groups: torch.Tensor, n_groups: int) -> Piece:
+    """The piece of the group sums Σ_{i in g} G_i (user-level clipping): the members' factors or
+    rows side by side along the token axis (the norm of a sum is a quadratic form over the
+    members, which the same ghost norm then computes), or dense rows added up."""
+    groups = groups.to(_piece_device(x))
+    if isinstance(x, torch.Tensor) or (isinstance(x, Outer) and x.materialised):
+        m = _dense(x)
+        return torch.zeros((n_groups, *m.shape[1:]), dtype=m.dtype, device=m.device).index_add_(0, groups, m)
+    slot = _slots(groups, n_groups)
+    width = int(slot.max()) + 1 if len(slot) else 1
+
+    def side_by_side(t: torch.Tensor, fill=0) -> torch.Tensor:
+        B, T = t.shape[:2]
+        out = torch.full((n_groups, width, T, *t.shape[2:]), fill, dtype=t.dtype, device=t.device)
+        out[groups, slot] = t
+        return out.reshape(n_groups, width * T, *t.shape[2:])
+
+    if isinstance(x, Rows):
+        return Rows(side_by_side(x.ids), side_by_side(x.g), x.num_rows)
+    return Outer(side_by_side(x.u), side_by_side(x.v))
+
+
+def _slots(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Each row's position among the rows of its group (0, 1, ... in row order)."""
+    order = torch.argsort(groups, stable=True)
+    counts = torch.bincount(groups, minlength=n_groups)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.empty_like(groups)
+    slot[order] = torch.arange(len(groups), device=groups.device) - torch.repeat_interleave(starts, counts)
+    return slot
+
+
+def _piece_device(x: Piece) -> torch.device:
+    if isinstance(x, torch.Tensor):
+        return x.device
+    if isinstance(x, Rows):
+        return x.g.device
+    return (x.m if x.materialised else x.u).device
+
+
 def _sq_of_sum(pieces: list[Piece]) -> torch.Tensor:
     """‖Σ_k piece_k‖² = Σ_k ‖piece_k‖² + 2 Σ_{k<l} ⟨piece_k, piece_l⟩ per example."""
     if len(pieces) > MAX_CROSS_PIECES:
@@ -898,6 +938,24 @@ class HookContribution(DenseContribution):
                         if count[local[k]] > 1:
                             out.setdefault(local[k], []).append(v)
         return out
+
+    def group_norms(self, groups, n_groups):
+        """‖Σ_{i in g} G_i‖ per group, from the regrouped pieces: no per-example gradient of a layer
+        kept as factors or rows is formed."""
+        pieces: dict[str, list[Piece]] = {}
+        for h, local, uses in self.records:
+            for u in uses:
+                for k, v in h.pieces(u).items():
+                    pieces.setdefault(local[k], []).append(regroup(v, groups, n_groups))
+        terms = [_sq_of_sum(p) if len(p) > 1 else _piece_sq(p[0]) for p in pieces.values()]
+        if not terms:
+            return torch.zeros(n_groups)
+        sq = sum(terms[1:], terms[0])
+        if self.finite is not None:  # a group with a non-finite row has no finite norm
+            bad = torch.zeros(n_groups, device=sq.device).index_add_(
+                0, groups.to(sq.device), (~self.finite.to(sq.device)).to(torch.float32))
+            sq = torch.where(bad > 0, torch.full_like(sq, float("nan")), sq)
+        return sq.sqrt()
 
     def norms(self):
         if self._sq is None:

@@ -323,6 +323,19 @@ class PrivacySection(_Strict):
     noise: Literal["secure", "keyed", "reproducible"] = Field(
         default="secure", description="secure: a key from OS entropy (default); keyed: DPREG_NOISE_KEY; "
                                       "reproducible: from the seed, no privacy guarantee")
+    unit: Literal["example", "user"] = Field(
+        default="example", description="what the guarantee protects: one example (row), or one user's data")
+    max_examples_per_user: int | None = Field(
+        default=None, gt=0, le=1_000_000, description="k: the most examples of one user a user-level run reads")
+
+    @model_validator(mode="after")
+    def _user_needs_k(self):
+        if self.unit == "user" and self.max_examples_per_user is None:
+            raise ValueError("privacy.unit: user needs privacy.max_examples_per_user (k, the most examples of one "
+                             "user the run reads)")
+        if self.unit == "example" and self.max_examples_per_user is not None:
+            raise ValueError("privacy.max_examples_per_user applies to privacy.unit: user")
+        return self
 
     @model_validator(mode="after")
     def _epsilon_needs_delta(self):

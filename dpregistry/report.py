@@ -11,9 +11,10 @@ from . import checkpoint as ckpt
 from .errors import UserError
 from . import files
 from .files import read_regular, require_regular
-from .privacy.accountant import Accountant, Ledger, make_accountant
+from .privacy.accountant import Accountant, Budget, Ledger, make_accountant
 from .privacy.events import PrivacyEvent
 from .rng import noise_statement
+from .users import els_group, example_budget, unit_statement, user_epsilon
 
 PLOT_NAME = "privacy_epsilon.png"
 MAX_JSON_BYTES = 100_000_000  # summary.json and recipe.json are kilobytes (a recipe at most a few MB)
@@ -114,10 +115,18 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
     _, meta, _ = found
     recipe = meta["recipe"]
     privacy = recipe["privacy"]
-    acc = make_accountant(recipe["accountant"], privacy)
+    # ELS: the ledger is example-level; group privacy of size k reads it at the user level
+    k = els_group(recipe)
+    target = Budget(privacy.get("epsilon"), privacy.get("delta"), privacy.get("rho"), privacy["relation"])
+    acc = make_accountant(recipe["accountant"], example_budget(target, k))
     acc.ledger = Ledger.from_json(meta.get("ledger", []))
-    spent = acc.spent()
-    curve = spent_curve(acc, acc.ledger, points)
+    spent = dict(acc.spent())
+    if spent.get("epsilon") is not None:
+        spent["epsilon"] = user_epsilon(spent["epsilon"], k)
+    if spent.get("rho") is not None:
+        spent["rho"], spent["target_rho"] = spent["rho"] * k * k, target.rho
+    scale = k if acc.budget.delta is not None else k * k
+    curve = [(s, v * scale) for s, v in spent_curve(acc, acc.ledger, points)]
     label = "ρ spent" if acc.budget.delta is None else "ε spent"
     target = spent.get("target_rho") if acc.budget.delta is None else privacy.get("epsilon")
     plot_path = None
@@ -136,6 +145,7 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
         "target_epsilon": privacy.get("epsilon"), "rho": spent.get("rho"), "target_rho": spent.get("target_rho"),
         "noise_multiplier": meta.get("noise_multiplier"), "charges": acc.ledger.n_charges,
         "noise": privacy.get("noise"), "guarantee": privacy.get("noise") != "reproducible",
+        "unit": privacy.get("unit", "example"),
         "ledger": ledger, "spent_label": label, "spent_over_steps": curve,
         "epsilon_over_steps": curve if acc.budget.delta is not None else [],
         "plot": str(plot_path) if plot_path else None,
@@ -226,7 +236,7 @@ def write_report(run_dir: Path) -> list[Path]:
     lines += [f"| accountant | {rep['accountant']} |", f"| neighbouring relation | {rep['relation']} |",
               f"| noise multiplier | {_num(rep['noise_multiplier'])} |", f"| steps | {rep['step']} |",
               f"| noise | {recipe['privacy'].get('noise')}: {noise_statement(recipe['privacy'].get('noise'))} |",
-              ""]
+              f"| privacy unit | {unit_statement(summary or {'unit': rep['unit']})} |", ""]
     lines += ["Charges (the privacy ledger):", ""]
     for e in rep["ledger"]:
         part = f", partition {e['partition']}" if e.get("partition") else ""

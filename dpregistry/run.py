@@ -24,6 +24,7 @@ from .privacy.accountant import Budget
 from .recipe import SECTIONS, Recipe
 from .rng import RunRNG
 from .stages import Charge, ClippedSum, Objective, Release, Stages
+from .users import UserGroups, UserIds, bound_contributions, example_budget, user_epsilon
 
 #: stage kind -> its recipe section
 SECTION_OF = {kind: section for section, kind in SECTIONS.items()} | {"algorithm": "algorithm"}
@@ -39,9 +40,9 @@ class Run:
         self.comm = comm or LocalComm()
         self.comm.micro_batch = recipe.train.micro_batch_size
         p = recipe.privacy
-        self.budget = Budget(p.epsilon, p.delta, p.rho, p.relation)
         self.relation = p.relation
-        self._given: dict[type, Any] = {Budget: self.budget, **(provides or {})}
+        self.unit = p.unit
+        self.target = Budget(p.epsilon, p.delta, p.rho, p.relation)  # what the recipe asked, in its unit
         try:
             self.rng = RunRNG(recipe.seed, p.noise)
         except UserError as e:
@@ -75,6 +76,28 @@ class Run:
         self.accountant = make("accountant")
         self.algorithm.stages = Stages(self.objective, self.sampler, self.estimator, self.privatizer,
                                        self.update_rule, self.accountant)
+        # User-level runs (dpregistry.users): user-level sampling (ULS) reads the users a sampler
+        # draws; any other sampler draws examples among the kept ones (ELS), and group privacy of
+        # size k turns the accountant's example-level budget into the user-level one.
+        self.users: UserGroups | None = None    # the public selection of at most k records per user
+        self.group = 1                          # ELS: k (the accountant's budget is example-level)
+        if self.unit == "user":
+            if self.comm.world_size > 1:
+                raise recipe.error("privacy.unit: user runs on one process for now", "privacy", "unit")
+            if self.sampler.samples == "examples":
+                self.group = p.max_examples_per_user
+            elif not self.estimator.user_level:
+                raise recipe.error(f"estimator {self.estimator.name!r} cannot clip a user's examples as one, so "
+                                   f"user-level sampling does not apply; use an example-level sampler (contribution "
+                                   f"bounding and group privacy) or per_example_grad, zo_two_point, "
+                                   f"projected_per_example_grad", "estimator")
+        elif self.sampler.samples == "users":
+            raise recipe.error(f"sampler {self.sampler.name!r} samples users: set privacy.unit: user and "
+                               f"privacy.max_examples_per_user", "sampler", "name")
+        self.budget = example_budget(self.target, self.group)  # what the accountant enforces
+        self._given: dict[type, Any] = {Budget: self.budget, **(provides or {})}
+        if self.unit == "user":
+            self._given[UserGroups] = None  # set once the objective has said who each record's user is
         self.params: dict[str, torch.Tensor] = {}
         self._ctx = self.context()
 
@@ -88,7 +111,13 @@ class Run:
 
     @property
     def n_train(self) -> int:
-        return self.objective.n_train
+        """The records a sampler draws from: the kept ones of a user-level run."""
+        return self.objective.n_train if self.users is None else len(self.users.members)
+
+    @property
+    def n_units(self) -> int:
+        """The records the guarantee counts: examples, or users."""
+        return self.n_train if self.users is None else self.users.n_users
 
     @property
     def device(self) -> torch.device:
@@ -108,10 +137,11 @@ class Run:
         """A context at ``step`` (default: the run's step) with fresh step services."""
         step = self.step if step is None else step
         return Context(step=step, params=self.params, _device=lambda: self.device, relation=self.relation,
-                       n_train=self.objective.n_train, rng=Randomness(self.rng), comm=self.comm,
+                       n_train=self.n_train, rng=Randomness(self.rng), comm=self.comm,
                        micro_batch_size=self.recipe.train.micro_batch_size, max_steps=self.recipe.train.steps,
                        ledger=self.accountant.ledger, adaptive=self.algorithm.adaptive,
                        _batch_size=lambda c: self.sampler.expected_batch_size(c),
+                       _units=(lambda idx: self._user_of[idx]) if self.users is not None and self.group == 1 else None,
                        _services=_StepServices(lambda call: self.rng.noise(step, call)), _provider=self._provide)
 
     @property
@@ -214,13 +244,15 @@ class Run:
         self._section = "objective"
         self.objective.setup(self.context())
         self._section = None
-        n = self.objective.n_train
-        if n <= 0:
+        if self.objective.n_train <= 0:
             raise UserError("the training data set is empty", file=self.recipe.source, key="data")
-        d = self.budget.delta
+        if self.unit == "user":
+            self._bind_users()
+        n, d = self.n_units, self.target.delta
         if d is not None and d >= 1.0 / n:
+            unit = "user" if self.unit == "user" else "record"
             raise self.recipe.error(f"δ = {d:g} is not below 1/n = {1.0 / n:.3g}; such a δ allows publishing a "
-                                    f"record", "privacy", "delta")
+                                    f"{unit}", "privacy", "delta")
         self.params = self.objective.params()
         if not self.params:
             raise UserError("the model has no trainable parameters", file=self.recipe.source, key="objective")
@@ -234,6 +266,20 @@ class Run:
             stage.validate(self.ctx)
         self._section = None
         self._calibrate_and_check()
+
+    def _bind_users(self) -> None:
+        """The public selection of at most k records per user (from the objective's user ids)."""
+        if UserIds not in type(self.objective).provides:
+            raise self.recipe.error(f"privacy.unit: user needs the user of each record, and objective "
+                                    f"{self.objective.name!r} has none (name the user id column with data.user)",
+                                    "privacy", "unit")
+        ids = self.objective.provide(UserIds).ids
+        self.users = bound_contributions(ids, self.recipe.privacy.max_examples_per_user,
+                                         self.rng.step_seed("user_contributions", 0))
+        self._given[UserGroups] = self.users
+        self._user_of = torch.empty(self.objective.n_train, dtype=torch.int64)
+        self._user_of[self.users.members] = torch.repeat_interleave(
+            torch.arange(self.users.n_users), self.users.offsets.diff())
 
     def _calibrate_and_check(self) -> None:
         if self.privatizer.calibrates:
@@ -291,7 +337,14 @@ class Run:
         clips the whole batch in the single-process order; others all-reduce their clipped sums."""
         total: ClippedSum | None = None
         gathered = False
+        if self.users is not None and self.group > 1:  # ELS: the sampler drew among the kept records
+            indices = self.users.members[indices]
         for contrib in self.estimator.contributions(self.objective, self.comm.shard(indices), self.ctx):
+            if self.users is not None and self.group == 1:  # ULS: each user's examples are one unit
+                if contrib.indices is None:
+                    raise UserError(f"estimator {self.estimator.name!r} does not say which records its contributions "
+                                    f"come from, so it cannot clip users as one (privacy.unit: user)", key="estimator")
+                contrib.groups = self._user_of[contrib.indices]
             full = contrib.gather(self.comm) if self.comm.world_size > 1 else None
             gathered = full is not None
             part = self.privatizer.clip_sum(full if gathered else contrib)
@@ -311,9 +364,33 @@ class Run:
         return m
 
     def epsilon(self) -> float | None:
+        """ε spent, in the recipe's unit (ELS: group privacy of the example-level ε, at the
+        user-level δ the budget set)."""
         if self.budget.delta is None:
             return None
-        return self.accountant.epsilon()
+        return user_epsilon(self.accountant.epsilon(), self.group)
+
+    def planned_epsilon(self) -> float:
+        """ε of the whole planned run (the ledger and the rest of the plan), in the recipe's unit."""
+        return user_epsilon(self.accountant.epsilon(extra=self.plan()), self.group)
+
+    def spent(self) -> dict[str, Any]:
+        """What the ledger has spent, in the recipe's unit, with the budget it is held to."""
+        s = dict(self.accountant.spent())
+        if self.group > 1:
+            s["example_level"] = {"epsilon": s.get("epsilon"), "delta": s.get("delta"), "rho": s.get("rho")}
+            if s.get("epsilon") is not None:
+                s["epsilon"], s["delta"] = user_epsilon(s["epsilon"], self.group), self.target.delta
+            if s.get("rho") is not None:
+                s["rho"] = s["rho"] * self.group ** 2
+                s["target_rho"] = self.target.rho
+            s["target_epsilon"] = self.target.epsilon
+        if self.users is not None:
+            s.update(unit="user", users=self.users.n_users, max_examples_per_user=self.users.k,
+                     user_mechanism="els" if self.group > 1 else "uls", user_selection=self.users.digest())
+        else:
+            s["unit"] = "example"
+        return s
 
     def output_params(self) -> dict[str, torch.Tensor]:
         """The parameters the run outputs: an update rule's choice, the random iterate, or the last."""

@@ -196,6 +196,10 @@ class Contribution(ABC):
     kind: str = field(default=GRADIENT, kw_only=True)
     losses: torch.Tensor | None = field(default=None, kw_only=True)  # diagnostics only
     info: dict[str, Any] = field(default_factory=dict, kw_only=True)
+    #: the training records of the rows (set by the estimator), and, in a user-level run, the user
+    #: of each row (set by the run): the rows of one user are clipped as one contribution
+    indices: torch.Tensor | None = field(default=None, kw_only=True)
+    groups: torch.Tensor | None = field(default=None, kw_only=True)
 
     @property
     @abstractmethod
@@ -208,6 +212,10 @@ class Contribution(ABC):
     @abstractmethod
     def weighted_sum(self, weights: torch.Tensor) -> Aggregate:
         """Σ_i w_i·c_i; rows with w_i = 0 contribute exactly 0 (NaN-safe)."""
+
+    def group_norms(self, groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+        """‖Σ_{i in g} c_i‖ for each group g (``groups``: the group 0..n_groups−1 of each row)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot clip groups of examples")
 
     def gather(self, comm) -> "Contribution | None":
         """The whole batch's contribution from every rank's shard, when it is small enough to send
@@ -237,6 +245,15 @@ class DenseContribution(Contribution):
         return DenseAggregate({k: _mask_rows(g.to(acc_dtype(g.dtype)), weights).sum(0)
                                for k, g in self.per_example.items()})
 
+    def group_norms(self, groups, n_groups):
+        sq = None
+        for g in self.per_example.values():
+            g = g.to(acc_dtype(g.dtype)).flatten(1)
+            s = torch.zeros((n_groups, g.shape[1]), dtype=g.dtype, device=g.device).index_add_(0, groups.to(g.device), g)
+            s = s.pow(2).sum(1)
+            sq = s if sq is None else sq + s
+        return sq.sqrt()
+
 
 @dataclass
 class DirectionContribution(Contribution):
@@ -257,6 +274,10 @@ class DirectionContribution(Contribution):
     def weighted_sum(self, weights):
         v = _mask_rows(self.values.to(acc_dtype(self.values.dtype)), weights).sum()
         return DirectionAggregate(v, self.direction, self.names)
+
+    def group_norms(self, groups, n_groups):
+        v = self.values.to(acc_dtype(self.values.dtype))
+        return torch.zeros(n_groups, dtype=v.dtype, device=v.device).index_add_(0, groups.to(v.device), v).abs()
 
     def gather(self, comm):
         return replace(self, values=comm.gather_rows(self.values),
@@ -296,6 +317,11 @@ class VectorZOContribution(Contribution):
     def gather(self, comm):
         return replace(self, values=comm.gather_rows(self.values),
                        losses=comm.gather_rows(self.losses) if self.losses is not None else None)
+
+    def group_norms(self, groups, n_groups):
+        v = self.values.to(acc_dtype(self.values.dtype))
+        summed = torch.zeros((n_groups, v.shape[1]), dtype=v.dtype, device=v.device).index_add_(0, groups.to(v.device), v)
+        return replace(self, values=summed, groups=None).norms()
 
     def weighted_sum(self, weights):
         dt = acc_dtype(self.values.dtype)

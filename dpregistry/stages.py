@@ -209,6 +209,9 @@ class Sampler(Stage):
     #: True when ``account`` amplifies by the secrecy of the batch: every release from one batch
     #: must then be charged together (one ``Run.charge`` per step), or each would be amplified alone.
     amplifies: ClassVar[bool] = False
+    #: "examples", or "users": a user-level sampler draws users and returns their records, each
+    #: user's contributions clipped as one (dpregistry.users)
+    samples: ClassVar[str] = "examples"
 
     def indices(self, ctx: "Context") -> torch.Tensor:
         """The training records of step ``ctx.step``."""
@@ -244,6 +247,9 @@ class Estimator(Stage):
     space: ClassVar[str] = DENSE
     #: GRADIENT (an estimate) or INCREMENT (a change to a running estimate, for stream privatizers)
     contribution_kind: ClassVar[str] = GRADIENT
+    #: its contributions name their records (``Contribution.indices``) and its micro-batches come
+    #: from ``ctx.micro_batches``, so a user's rows can be clipped as one (user-level sampling)
+    user_level: ClassVar[bool] = False
 
     def contributions(self, objective: Objective, indices: torch.Tensor, ctx: "Context") -> Iterator[Contribution]:
         """Yield the contributions of the batch (one per micro-batch for first-order estimators)."""

@@ -58,6 +58,23 @@ def make_run(recipe: dict | str | Path, tmp_path: Path | None = None, sets=(), o
     return run
 
 
+def rewind(run_dir: Path, step: int) -> None:
+    """Make a finished run look as a crash after ``step`` leaves it: later checkpoints, their ledger
+    lines, the summary and the model gone."""
+    import json
+
+    from dpregistry import checkpoint as ckpt
+
+    for s, p in ckpt.list_checkpoints(run_dir / "checkpoints"):
+        if s > step:
+            p.unlink()
+    ledger = run_dir / "ledger.jsonl"
+    lines = ledger.read_text().splitlines(keepends=True)
+    ledger.write_text("".join(x for x in lines if json.loads(x)["step"] <= step))
+    for name in ("summary.json", "model.safetensors"):
+        (run_dir / name).unlink()
+
+
 @pytest.fixture
 def recipe_file(tmp_path):
     return lambda recipe, name="recipe.yaml": write_recipe(tmp_path, recipe, name)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import dpregistry
-from conftest import REPO
+from conftest import REPO, rewind
 from dpregistry import UserError
 
 
@@ -95,16 +95,7 @@ def test_a_resumed_own_run_continues_the_ledger(tmp_path):
     model_b, train_b, _ = own()
     b = dpregistry.train(RECIPE, model=model_b, loss=per_example, train_data=train_b, verbose=False,
                          out=tmp_path / "b")
-    # rewind to the step-10 checkpoint, as a crash would leave the folder, and resume
-    from dpregistry import checkpoint as ckpt
-
-    for step, p in ckpt.list_checkpoints(tmp_path / "b" / "checkpoints"):
-        if step > 10:
-            p.unlink()
-    lines = (tmp_path / "b" / "ledger.jsonl").read_text().splitlines(keepends=True)
-    (tmp_path / "b" / "ledger.jsonl").write_text("".join(lines[:2]))
-    for name in ("summary.json", "model.safetensors"):
-        (tmp_path / "b" / name).unlink()
+    rewind(tmp_path / "b", 10)  # as a crash after step 10 would leave the folder
     model_c, train_c, _ = own()
     c = dpregistry.resume(tmp_path / "b", model=model_c, loss=per_example, train_data=train_c, verbose=False)
     assert c.summary["step"] == 20 and c.ledger == straight.ledger == b.ledger

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, rewind
 from dpregistry import checkpoint as ckpt
 
 
@@ -83,14 +83,7 @@ def test_the_installed_estimator_resumes_bit_for_bit(installed, tmp_path):
             "train.keep_checkpoints=10"]
     assert dpreg(site, "run", path, "--out", tmp_path / "a", "-q", *sets).returncode == 0
     assert dpreg(site, "run", path, "--out", tmp_path / "b", "-q", *sets).returncode == 0
-    # rewind b to its step-20 checkpoint, as a crash would leave it, and resume
-    for step, p in ckpt.list_checkpoints(tmp_path / "b" / "checkpoints"):
-        if step > 20:
-            p.unlink()
-    lines = (tmp_path / "b" / "ledger.jsonl").read_text().splitlines(keepends=True)
-    (tmp_path / "b" / "ledger.jsonl").write_text("".join(lines[:3]))
-    for name in ("summary.json", "model.safetensors"):
-        (tmp_path / "b" / name).unlink()
+    rewind(tmp_path / "b", 20)  # as a crash after step 20 would leave it
     res = dpreg(site, "resume", tmp_path / "b", "-q")
     assert res.returncode == 0, res.stderr[-3000:]
     a, _ = ckpt.read(tmp_path / "a" / "model.safetensors", verify=True)

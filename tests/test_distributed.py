@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import rewind
 from dpregistry import checkpoint as ckpt
 
 ZO = """\
@@ -96,15 +97,6 @@ def test_first_order_two_processes_equal_one_to_reduction_tolerance(runs):
     assert ledger1 == ledger2
 
 
-def _rewind(run_dir: Path, step: int) -> None:
-    """Make a finished run look interrupted at ``step``: later checkpoints and outputs gone."""
-    for s, p in ckpt.list_checkpoints(run_dir / "checkpoints"):
-        if s > step:
-            p.unlink()
-    (run_dir / "summary.json").unlink()
-    (run_dir / "model.safetensors").unlink()
-
-
 @pytest.mark.parametrize("written_by,resumed_by", [(2, 1), (1, 2)])
 def test_checkpoints_cross_between_process_counts(runs, written_by, resumed_by, tmp_path):
     import shutil
@@ -112,7 +104,7 @@ def test_checkpoints_cross_between_process_counts(runs, written_by, resumed_by, 
     _, out = runs
     run_dir = tmp_path / "run"
     shutil.copytree(out["zo", written_by], run_dir)
-    _rewind(run_dir, 10)
+    rewind(run_dir, 10)
     res = dpreg("resume", run_dir, "-q", nproc=resumed_by)
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = model(out["zo", 1]), model(run_dir)

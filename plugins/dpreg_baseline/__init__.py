@@ -14,6 +14,7 @@ plugin = StagePlugin(lazy={
         "poisson": "dpreg_baseline.samplers:PoissonSampler",
         "shuffle": "dpreg_baseline.samplers:ShuffleSampler",
         "uniform": "dpreg_baseline.samplers:UniformSampler",
+        "user_poisson": "dpreg_baseline.samplers:UserPoisson",
     },
     "estimator": {
         "per_example_grad": "dpreg_baseline.estimators:PerExampleGrad",

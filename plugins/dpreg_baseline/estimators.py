@@ -14,17 +14,11 @@ from dpregistry.zeroth_order import central_differences
 from dpregistry.spaces import DENSE, SEEDED_DIRECTION, DenseContribution, DirectionContribution, acc_dtype
 
 
-def micro_batches(indices: torch.Tensor, size: int | None):
-    size = size or max(len(indices), 1)
-    for i in range(0, len(indices), size):
-        yield indices[i:i + size]
-
-
 def empty_dense(params) -> DenseContribution:
     """The contribution of an empty batch (Poisson can draw one): sums to zero in every tensor."""
     return DenseContribution(per_example={k: torch.zeros((0,) + tuple(p.shape), dtype=acc_dtype(p.dtype),
                                                          device=p.device) for k, p in params.items()},
-                             losses=torch.zeros(0))
+                             losses=torch.zeros(0), indices=torch.zeros(0, dtype=torch.int64))
 
 
 class PerExampleGradParams(StageParams):
@@ -40,6 +34,7 @@ class PerExampleGrad(Estimator):
     """
 
     name = "per_example_grad"
+    user_level = True
     space = DENSE
     Params = PerExampleGradParams
     needs = (Objective,)
@@ -62,11 +57,11 @@ class PerExampleGrad(Estimator):
         if len(indices) == 0:
             yield empty_dense(ctx.params)
             return
-        for chunk in micro_batches(indices, ctx.micro_batch_size):
+        for chunk in ctx.micro_batches(indices):
             if self.backend == "hooks":
                 with torch.enable_grad(), self.sampler.capture(len(chunk)):
                     losses = objective.losses(chunk)
-                yield self.sampler.contribution(losses)
+                yield self.sampler.contribution(losses, indices=chunk)
             else:
                 yield self._functorch(objective, chunk, ctx)
 
@@ -81,7 +76,7 @@ class PerExampleGrad(Estimator):
         grads = vmap(grad(one), in_dims=(None, 0))(params, chunk)
         with torch.no_grad():
             losses = objective.functional_losses(params, chunk)
-        return DenseContribution(per_example=grads, losses=losses)
+        return DenseContribution(per_example=grads, losses=losses, indices=chunk)
 
 
 class ZOParams(StageParams):
@@ -99,6 +94,7 @@ class ZOTwoPoint(Estimator):
     """
 
     name = "zo_two_point"
+    user_level = True
     space = SEEDED_DIRECTION
     Params = ZOParams
 
@@ -107,7 +103,7 @@ class ZOTwoPoint(Estimator):
         u = Direction(ctx.rng.seed("direction", ctx.step), self.cfg.direction)
         lam = self.cfg.smoothing
         values, mid = central_differences(objective, indices, ctx, u, lam)
-        yield DirectionContribution(values=values, direction=u, names=names, losses=mid)
+        yield DirectionContribution(values=values, direction=u, names=names, losses=mid, indices=indices)
 
 
 ESTIMATORS = (PerExampleGrad, ZOTwoPoint)

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from dpregistry import Charge, Sampler, StageParams, UserError
 from dpregistry.stages import repeat
+from dpregistry.users import UserGroups
 from dpregistry.privacy.events import Composed, NonPrivate, PoissonSampled, PrivacyEvent, SampledWithoutReplacement
 
 
@@ -227,4 +228,41 @@ class FullBatch(Sampler):
         return _every_step_alike(self, steps, events, ctx)
 
 
-SAMPLERS = (PoissonSampler, UniformSampler, ShuffleSampler, FullBatch)
+class UserPoissonParams(StageParams):
+    users_per_step: float = Field(gt=0, description="expected number of users in a step's batch (q × users)")
+
+
+class UserPoisson(Sampler):
+    """User-level sampling (ULS): each user joins each step independently with probability q, with
+    their (at most k) records; the run clips each user's mean contribution as one (privacy.unit: user)."""
+
+    name = "user_poisson"
+    Params = UserPoissonParams
+    needs = (UserGroups,)
+    samples = "users"
+    amplifies = True
+
+    def setup(self, ctx):
+        self.users = ctx.need(UserGroups)
+        n = self.users.n_users
+        self.q = self.cfg.users_per_step / n
+        if self.q > 1:
+            raise UserError(f"sampler.users_per_step {self.cfg.users_per_step:g} exceeds the {n} users",
+                            key="sampler.users_per_step")
+
+    def indices(self, ctx):
+        # As secret as the noise: amplification by sampling assumes nobody knows which users were drawn.
+        drawn = (ctx.rng.secret("user_poisson", ctx.step).uniform(self.users.n_users) <= self.q).nonzero().squeeze(1)
+        return self.users.records_of(drawn)
+
+    def expected_batch_size(self, ctx):
+        return self.q * self.users.n_users  # users: a user is one unit of the privatized mean
+
+    def account(self, step, events, ctx):
+        return sampled_together(events, lambda e: PoissonSampled(self.q, e))
+
+    def account_steps(self, steps, events, ctx):
+        return _every_step_alike(self, steps, events, ctx)
+
+
+SAMPLERS = (PoissonSampler, UniformSampler, ShuffleSampler, FullBatch, UserPoisson)

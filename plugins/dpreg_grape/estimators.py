@@ -99,6 +99,7 @@ class ProjectedPerExampleGrad(Estimator):
     """DP-GRAPE's per-example gradients: Pᵀ·G per projected Linear layer, built from hooks."""
 
     name = "projected_per_example_grad"
+    user_level = True
     space = PROJECTED
     Params = ProjectedParams
     needs = (Objective,)
@@ -137,14 +138,14 @@ class ProjectedPerExampleGrad(Estimator):
         self.current = self.projectors(ctx.step)
         if len(indices) == 0:
             yield ProjectedHookContribution(n=0, params=ctx.params, projectors=self.current,
-                                            losses=torch.zeros(0), finite=torch.zeros(0, dtype=torch.bool))
+                                            losses=torch.zeros(0), finite=torch.zeros(0, dtype=torch.bool),
+                                            indices=torch.zeros(0, dtype=torch.int64))
             return
-        size = ctx.micro_batch_size or len(indices)
-        for i in range(0, len(indices), size):
-            chunk = indices[i:i + size]
+        for chunk in ctx.micro_batches(indices):
             with torch.enable_grad(), self.sampler.capture(len(chunk)):
                 losses = objective.losses(chunk)
-            yield self.sampler.contribution(losses, cls=ProjectedHookContribution, projectors=self.current)
+            yield self.sampler.contribution(losses, cls=ProjectedHookContribution, projectors=self.current,
+                                            indices=chunk)
 
 
 ESTIMATORS = (ProjectedPerExampleGrad,)

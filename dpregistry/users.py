@@ -1,0 +1,131 @@
+"""User-level privacy (``privacy.unit: user``): the privacy unit is a person, not a row.
+
+Two mechanisms (Charles et al. 2024, "Fine-Tuning Large Language Models with User-Level
+Differential Privacy"), chosen by the sampler:
+
+* **ULS**, user-level sampling (``sampler: user_poisson``): a Poisson sample of users; each
+  sampled user's contribution is the mean of the contributions of their (at most k) examples,
+  clipped to C as one vector, summed and noised. The record of the analysis is the user, so the
+  sensitivity is 2C under replace-one of a user's whole data and the sample rate is users sampled
+  ÷ users: the events and accountants are the example-level ones, read at the user level.
+* **ELS**, example-level sampling with contribution bounding (any example-level sampler): at most
+  k examples per user are kept, chosen with public randomness before training; the run is
+  example-level DP, and group privacy of size k converts it to the user level. With the group
+  privacy lemma, (ε₀, δ₀)-DP for one example is (kε₀, k·e^{(k−1)ε₀}·δ₀)-DP for k examples, so
+  a user-level target (ε, δ) is met by the example-level target ε₀ = ε/k,
+  δ₀ = δ / (k·e^{(k−1)ε/k}); a zCDP target ρ by ρ₀ = ρ/k² (ρ-zCDP is k²ρ-zCDP for groups of k).
+
+Both keep the same public selection of at most k examples per user (:func:`bound_contributions`):
+a function of the run's seed and the user ids only, never of the labels or texts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .privacy.accountant import Budget
+
+
+@dataclass(frozen=True)
+class UserIds:
+    """The user of each training record (an objective provides it for ``privacy.unit: user``)."""
+
+    ids: torch.Tensor  # [n_train] int64
+
+
+@dataclass(frozen=True)
+class UserGroups:
+    """The users of a user-level run and the (at most k) records each contributes: the records of
+    user u are ``members[offsets[u]:offsets[u + 1]]`` (objective indices)."""
+
+    members: torch.Tensor  # [kept] int64, grouped by user
+    offsets: torch.Tensor  # [users + 1] int64
+    k: int
+
+    @property
+    def n_users(self) -> int:
+        return len(self.offsets) - 1
+
+    def records_of(self, users: torch.Tensor) -> torch.Tensor:
+        """The records of ``users``, user after user."""
+        if len(users) == 0:
+            return self.members[:0]
+        starts, ends = self.offsets[users], self.offsets[users + 1]
+        return torch.cat([self.members[s:e] for s, e in zip(starts.tolist(), ends.tolist())])
+
+    def digest(self) -> str:
+        """Identifies the selection (recorded in the run's summary)."""
+        h = hashlib.sha256(self.members.numpy().tobytes() + self.offsets.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+def bound_contributions(user_ids: torch.Tensor, k: int, seed: int) -> UserGroups:
+    """At most ``k`` records per user, chosen uniformly at random with public randomness: a
+    function of the seed and the user ids alone (never of the labels or texts)."""
+    ids = torch.as_tensor(user_ids, dtype=torch.int64)
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(ids), generator=g)             # a public random order of the records
+    users, inverse = torch.unique(ids, return_inverse=True)   # users in sorted order
+    by_user = torch.argsort(inverse[order], stable=True)      # grouped by user, random within each
+    records = order[by_user]
+    counts = torch.bincount(inverse, minlength=len(users))
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(len(ids)) - torch.repeat_interleave(starts, counts)
+    keep = rank < k
+    members = records[keep]
+    kept = counts.clamp(max=k)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
+    return UserGroups(members, offsets, k)
+
+
+def example_budget(user: Budget, k: int) -> Budget:
+    """The example-level budget whose guarantee, by group privacy of size k, is the user-level one."""
+    if k == 1:
+        return user
+    eps = None if user.epsilon is None else user.epsilon / k
+    delta = None
+    if user.delta is not None:
+        delta = user.delta / (k * math.exp((k - 1) * (user.epsilon / k))) if user.epsilon is not None \
+            else user.delta / k
+    rho = None if user.rho is None else user.rho / (k * k)
+    return Budget(eps, delta, rho, user.relation)
+
+
+def user_epsilon(example_epsilon: float, k: int) -> float:
+    """The user-level ε of an example-level ε, for groups of k (at the user-level δ the budget set)."""
+    return k * example_epsilon
+
+
+def user_delta(example_epsilon: float, example_delta: float, k: int) -> float:
+    """The user-level δ of an example-level (ε₀, δ₀), for groups of k: k·e^{(k−1)ε₀}·δ₀."""
+    return k * math.exp((k - 1) * example_epsilon) * example_delta
+
+
+def unit_statement(summary: dict) -> str:
+    """What the guarantee protects, in words (the run summary, reports, the model card)."""
+    if summary.get("unit") != "user":
+        return "one example: the guarantee holds for adding, removing or replacing one training example"
+    k, users = summary.get("max_examples_per_user"), summary.get("users")
+    if summary.get("user_mechanism") == "els":
+        ex = summary.get("example_level") or {}
+        how = (f"example-level sampling with at most {k} examples per user; group privacy of size {k} of the "
+               f"example-level ε = {ex.get('epsilon', float('nan')):.4g}")
+    else:
+        how = f"user-level sampling, each user's mean contribution over at most {k} examples clipped as one"
+    return f"one user ({users} users): the guarantee holds for all the data of one user; {how}"
+
+
+def els_group(recipe: dict) -> int:
+    """k when a resolved recipe is user-level with an example-level sampler (ELS: the ledger is
+    example-level, read through group privacy), else 1."""
+    from .registry import get_registry
+
+    privacy = recipe.get("privacy") or {}
+    if privacy.get("unit") != "user":
+        return 1
+    sampler = get_registry().get("sampler", recipe["sampler"]["name"]).cls
+    return 1 if sampler.samples == "users" else int(privacy["max_examples_per_user"])

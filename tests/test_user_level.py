@@ -1,0 +1,353 @@
+"""User-level differential privacy (issue 19): the privacy unit is a person, not a row."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpregistry
+from dpregistry import Objective, UserError
+from dpregistry.audit import epsilon_lower_bound, projections, trial_sums
+from dpregistry.clipping import clip_and_sum
+from dpregistry.context import Context
+from dpregistry.own import OwnObjects
+from dpregistry.privacy.accountant import Budget, make_accountant
+from dpregistry.privacy.events import Gaussian
+from dpregistry.recipe import resolve
+from dpregistry.registry import get_registry
+from dpregistry.run import Run
+from dpregistry.stages import Charge
+from dpregistry.users import bound_contributions, example_budget, user_delta, user_epsilon
+from dpreg_baseline.estimators import PerExampleGrad
+from dpreg_grape.estimators import ProjectedPerExampleGrad
+from dpreg_grape.projection import LayerSelection
+
+DELTA = 1e-5
+
+
+def per_example(out, t):
+    return F.cross_entropy(out, t, reduction="none")
+
+
+# -- the public selection of at most k examples per user ---------------------------------------
+
+
+def test_the_selection_is_public_bounded_and_blind_to_the_data():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 40, (1000,), generator=g)
+    a, b = bound_contributions(ids, 5, seed=7), bound_contributions(ids, 5, seed=7)
+    assert torch.equal(a.members, b.members) and torch.equal(a.offsets, b.offsets)  # a function of (ids, seed)
+    assert not torch.equal(a.members, bound_contributions(ids, 5, seed=8).members)
+    counts = torch.bincount(ids, minlength=40)
+    assert a.n_users == len(ids.unique())
+    for u in range(a.n_users):
+        members = a.members[a.offsets[u]:a.offsets[u + 1]]
+        user = ids.unique()[u]
+        assert len(members) == min(5, int(counts[user])) and bool((ids[members] == user).all())
+    # its signature takes user ids and a seed only: labels and texts cannot reach it; and every
+    # record of a user is equally likely to be kept
+    hits = torch.zeros(1000)
+    for s in range(300):
+        hits[bound_contributions(ids, 5, seed=s).members] += 1
+    p = (5 / counts[ids].double()).clamp(max=1.0)
+    z = (hits.double() - 300 * p) / (300 * p * (1 - p)).clamp(min=1e-12).sqrt()
+    assert bool((z[p < 1].abs() < 5).all())  # every record kept at its rate, to 5 standard deviations
+    assert bool((hits[p == 1] == 300).all())
+
+
+# -- group norms equal autograd, and a user moves the clipped sum by at most C ---------------------
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(30, 8)
+        self.lin = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, ids):
+        return self.out(self.norm(torch.tanh(self.lin(self.emb(ids))))).mean(1)
+
+
+class Tokens(Objective):
+    def __init__(self, n=24, scale=1.0):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.model = Net().double()
+        self.ids = torch.randint(0, 30, (n, 5), generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+        self.scale = torch.ones(n, dtype=torch.float64)
+        self.n_train = n
+
+    def module(self):
+        return self.model
+
+    def losses(self, idx):
+        return per_example(self.model(self.ids[idx]), self.y[idx]) * self.scale[idx]
+
+
+def _estimator(kind):
+    if kind == "dense":
+        return PerExampleGrad(PerExampleGrad.Params(backend="hooks"))
+    return ProjectedPerExampleGrad(ProjectedPerExampleGrad.Params(rank=2, projector="gaussian",
+                                                                  project=LayerSelection(exclude=[])))
+
+
+@pytest.mark.parametrize("kind", ["dense", "projected"])
+def test_the_norm_of_a_users_sum_is_computed_from_the_factors_as_autograd_gives_it(kind):
+    obj = Tokens()
+    params = dict(obj.model.named_parameters())
+    ctx = Context.detached(params, n_train=obj.n_train, provides={Objective: obj})
+    est = _estimator(kind)
+    est.setup(ctx)
+    idx = torch.arange(obj.n_train)
+    users = torch.tensor([0] * 7 + [1] * 1 + [2] * 9 + [3] * 7)  # uneven groups
+    contrib = next(est.contributions(obj, idx, ctx))
+    got = contrib.group_norms(users, 4)
+    # the same contribution's per-example vectors, summed per user (its own space: dense or projected)
+    rows = [contrib.weighted_sum(F.one_hot(torch.tensor(i), obj.n_train).double()) for i in range(obj.n_train)]
+    flat = torch.stack([torch.cat([t.reshape(-1) for _, t in sorted(r.tensors.items())]) for r in rows])
+    want = torch.zeros(4, flat.shape[1], dtype=flat.dtype).index_add_(0, users, flat).norm(dim=1)
+    assert torch.allclose(got, want, rtol=1e-9)
+    if kind == "dense":  # and in the dense space, against one-example-at-a-time autograd
+        losses = obj.losses(idx)
+        ref = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(losses[i], list(params.values()),
+                                                                                   retain_graph=True)])
+                           for i in range(obj.n_train)])
+        sums = torch.zeros(4, ref.shape[1], dtype=ref.dtype).index_add_(0, users, ref)
+        assert torch.allclose(got, sums.norm(dim=1), rtol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["dense", "projected"])
+def test_a_user_with_a_huge_gradient_moves_the_clipped_sum_by_at_most_c(kind):
+    C = 0.5
+    obj = Tokens()
+    params = dict(obj.model.named_parameters())
+    ctx = Context.detached(params, n_train=obj.n_train, provides={Objective: obj})
+    est = _estimator(kind)
+    est.setup(ctx)
+    idx = torch.arange(obj.n_train)
+    users = torch.arange(obj.n_train) // 4  # six users of four examples
+
+    def clipped(scale, keep):
+        obj.scale = torch.ones(obj.n_train, dtype=torch.float64)
+        obj.scale[:4] = scale  # user 0's examples
+        rows = idx[keep]
+        contrib = next(est.contributions(obj, rows, ctx))
+        contrib.groups = users[rows]
+        total = clip_and_sum(contrib, C)
+        return torch.cat([t.reshape(-1) for _, t in sorted(total.aggregate.tensors.items())])
+
+    everyone = torch.ones(obj.n_train, dtype=torch.bool)
+    without = everyone.clone()
+    without[:4] = False
+    huge = clipped(1e6, everyone)
+    gone = clipped(1.0, without)
+    other = clipped(-3.0, everyone)  # the same user with other data
+    assert (huge - gone).norm() <= C * (1 + 1e-9)           # add/remove a user: at most C
+    assert (huge - other).norm() <= 2 * C * (1 + 1e-9)      # replace a user's whole data: at most 2C
+    # example-level clipping of the same batch lets that user move it by more than C (up to 4C)
+    obj.scale[:4] = 1e6
+    ex = clip_and_sum(next(est.contributions(obj, idx, ctx)), C)
+    ex_gone = clip_and_sum(next(est.contributions(obj, idx[4:], ctx)), C)
+    keys = sorted(ex.aggregate.tensors)
+    diff = torch.cat([(ex.aggregate.tensors[k] - ex_gone.aggregate.tensors[k]).reshape(-1) for k in keys])
+    assert C < diff.norm() <= 4 * C * (1 + 1e-9)
+
+
+def test_a_dpzero_user_moves_the_clipped_scalar_by_at_most_c():
+    """DPZero's contributions are scalars on one shared direction: a user's mean scalar is clipped
+    to C as one, so a user with huge finite differences moves the sum's coefficient by at most C."""
+    from dpregistry.directions import Direction
+    from dpregistry.spaces import DirectionContribution
+
+    C = 0.5
+    u = Direction(seed=1)
+    users = torch.arange(24) // 4
+
+    def coeff(values, rows):
+        contrib = DirectionContribution(values=values[rows], direction=u, names=("w",), indices=rows)
+        contrib.groups = users[rows]
+        return float(clip_and_sum(contrib, C).aggregate.tensors["coeff"])
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(24, generator=g, dtype=torch.float64) * 0.1
+    everyone, without = torch.arange(24), torch.arange(4, 24)
+    huge = values.clone()
+    huge[:4] = 1e9
+    other = values.clone()
+    other[:4] = -1e9
+    assert abs(coeff(huge, everyone) - coeff(values, without)) <= C * (1 + 1e-12)
+    assert abs(coeff(huge, everyone) - coeff(other, everyone)) <= 2 * C * (1 + 1e-12)
+    # the small users' means are inside the clip: their sum is untouched
+    assert coeff(values, without) == pytest.approx(sum(float(values[4 * k:4 * k + 4].mean()) for k in range(1, 6)))
+
+
+# -- accounting ---------------------------------------------------------------------------------
+
+
+def test_the_group_privacy_conversion_is_valid_against_the_exact_gaussian():
+    """For a Gaussian mechanism, k examples of one user move the sum by at most k·Δ, so its exact
+    user-level ε is the Gaussian's at sensitivity kΔ: the conversion used by ELS may be looser,
+    never tighter."""
+    pld = make_accountant("pld", Budget(delta=DELTA))
+    for k in (2, 5, 20):
+        for std in (3.0 * k, 8.0 * k, 20.0 * k):
+            b = example_budget(Budget(epsilon=6.0, delta=DELTA), k)
+            assert b.epsilon == pytest.approx(6.0 / k)
+            assert user_delta(b.epsilon, b.delta, k) == pytest.approx(DELTA)
+            ex = pld.epsilon(b.delta, extra=[Charge(Gaussian(std=std, sensitivity=2.0))])
+            exact = pld.epsilon(DELTA, extra=[Charge(Gaussian(std=std, sensitivity=2.0 * k))])
+            assert user_epsilon(ex, k) >= exact * (1 - 1e-6)
+    rho = example_budget(Budget(rho=0.5), 4).rho
+    assert rho == 0.5 / 16  # ρ-zCDP is k²ρ-zCDP for groups of k
+
+
+def _own_run(recipe, users, n=240, dim=4, seed=0):
+    torch.manual_seed(seed)
+    x, y = torch.randn(n, dim), torch.randint(0, 2, (n,))
+    model = nn.Linear(dim, 2)
+    objects = OwnObjects(model, per_example, list(zip(x, y)), users=users)
+    data = {"objective": "python", "seed": seed, **recipe}
+    return Run(resolve(data, {}, get_registry()), provides={OwnObjects: objects}).prepare()
+
+
+def test_uls_accounts_users_and_els_accounts_examples_with_group_privacy():
+    users = torch.arange(240) // 12  # 20 users
+    base = {"algorithm": "dp_sgd", "update": {"lr": 0.1}, "train": {"steps": 10, "progress": False}}
+    priv = {"epsilon": 4.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 6, "noise": "reproducible"}
+    uls = _own_run({**base, "sampler": {"name": "user_poisson", "users_per_step": 5}, "privacy": priv}, users)
+    assert uls.group == 1 and uls.users.n_users == 20 and uls.sampler.q == 5 / 20
+    assert uls.budget.epsilon == 4.0  # the accountant's budget is the user-level one
+    s = uls.train()
+    event = uls.accountant.ledger.to_json()[0]["event"]
+    assert event["q"] == 0.25 and s["unit"] == "user" and s["users"] == 20 and s["user_mechanism"] == "uls"
+    assert s["epsilon"] <= 4.0 and s["max_examples_per_user"] == 6
+
+    els = _own_run({**base, "sampler": {"name": "poisson", "batch_size": 30}, "privacy": priv}, users)
+    assert els.group == 6 and els.n_train == 120  # 6 kept of each user's 12
+    assert els.budget.epsilon == pytest.approx(4.0 / 6)
+    s = els.train()
+    assert s["user_mechanism"] == "els" and s["epsilon"] == pytest.approx(6 * s["example_level"]["epsilon"])
+    assert s["epsilon"] <= 4.0 * (1 + 1e-9) and s["delta"] == 1e-3
+    assert els.accountant.ledger.to_json()[0]["event"]["q"] == pytest.approx(30 / 120)
+
+
+@pytest.mark.parametrize("recipe, says", [
+    ({"privacy": {"epsilon": 4.0, "delta": 1e-3, "unit": "user"}}, "max_examples_per_user"),
+    ({"sampler": {"name": "user_poisson", "users_per_step": 4}, "privacy": {"epsilon": 4.0, "delta": 1e-3}},
+     "set privacy.unit: user"),
+])
+def test_user_level_recipes_that_cannot_hold_are_refused(recipe, says):
+    base = {"algorithm": "dp_sgd", "objective": {"name": "tabular", "data": {"dataset": "iris"}},
+            "train": {"steps": 4}}
+    with pytest.raises(UserError, match=says):
+        Run(resolve({**base, **recipe}, {}, get_registry())).prepare()
+
+
+def test_a_user_level_run_needs_user_ids():
+    recipe = {"algorithm": "dp_sgd", "objective": {"name": "tabular", "data": {"dataset": "iris"}},
+              "privacy": {"epsilon": 4.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 3},
+              "train": {"steps": 4}}
+    with pytest.raises(UserError, match="data.user") as e:
+        Run(resolve(recipe, {}, get_registry())).prepare()
+    assert e.value.key == "privacy.unit"
+    with pytest.raises(UserError, match="users="):
+        _own_run({"algorithm": "dp_sgd", "privacy": {"epsilon": 4.0, "delta": 1e-3, "unit": "user",
+                                                     "max_examples_per_user": 3}, "train": {"steps": 4}}, None)
+
+
+# -- the audit: one canary user holding many examples ----------------------------------------------
+
+
+CANARY_ROWS = 50
+
+
+def _audit_run(sampler, unit_privacy, epsilon):
+    """A full-batch (or every-user) release around a linear model at 0, where a canary user holds
+    CANARY_ROWS examples that all push the same coordinate; D' replaces the user's data."""
+    n_users, per_user = 40, CANARY_ROWS
+    n = n_users * per_user
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=g) * 0.01
+    x[:, 2] = 0.0
+    x[:per_user, 2] = 10.0  # the canary user: user 0
+    y = torch.randn(n, 1, generator=g) * 0.01
+    model = nn.Linear(3, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    held = {"which": 0}
+
+    def loss(out, t):
+        # a linear loss: the gradient is the input, times 10, and in D' the canary's rows push the
+        # other way (replacing the user's whole data)
+        flip = (t == 7.0) & bool(held["which"])
+        return -(out * torch.where(flip, -10.0, 10.0)).sum(-1)
+
+    y[:per_user] = 7.0  # marks the canary's rows in the targets
+    objects = OwnObjects(model, loss, list(zip(x, y)), users=torch.arange(n) // per_user)
+    recipe = {"algorithm": "dp_sgd", "objective": "python", "seed": 0, "sampler": sampler,
+              "privatizer": {"clip": 1.0, "noise_multiplier": "auto"}, "accountant": "pld",
+              "privacy": {"epsilon": epsilon, "delta": DELTA, "noise": "reproducible", **unit_privacy},
+              "train": {"steps": 1, "progress": False}}
+    run = Run(resolve(recipe, {}, get_registry()), provides={OwnObjects: objects}).prepare()
+    return run, held
+
+
+def _audit(run, held, trials=30_000):
+    parts = []
+    run.begin_step()
+    idx = run.sampler.indices(run.ctx)
+    for which in (0, 1):
+        held["which"] = which
+        parts.append(run.privatize_batch(idx))
+        run.ctx.undo_displacement()
+    diff = parts[1].aggregate.clone()
+    for k, t in diff.tensors.items():
+        t.sub_(parts[0].aggregate.tensors[k])
+    masks = torch.zeros(2 * trials, 2)
+    masks[:trials, 0] = masks[trials:, 1] = 1
+    release = run.privatizer.release(trial_sums(parts, masks), run.begin_step())
+    stats = projections(release.value, diff)
+    claimed = run.planned_epsilon()
+    return claimed, epsilon_lower_bound(stats[:trials], stats[trials:], DELTA).epsilon_lower
+
+
+def test_example_level_dp_leaks_a_user_with_many_examples_and_user_level_dp_does_not():
+    # example-level DP-SGD: a user's 50 examples move the sum by up to 100C
+    run, held = _audit_run({"name": "full_batch"}, {}, epsilon=2.0)
+    claimed, audited = _audit(run, held)
+    print(f"\nexample-level: claimed ε = {claimed:.3f} per example, the user's audited ε >= {audited:.3f}")
+    assert audited > 3 * claimed  # the user's ε far exceeds the example-level claim
+    # ULS: each user's mean clipped as one: the claim holds for the user
+    run, held = _audit_run({"name": "user_poisson", "users_per_step": 40}, {"unit": "user", "max_examples_per_user": 50},
+                           epsilon=2.0)
+    claimed, audited = _audit(run, held)
+    print(f"ULS: claimed user ε = {claimed:.3f}, audited >= {audited:.3f}")
+    assert run.sampler.q == 1.0 and audited <= claimed and audited > 0.3 * claimed
+    # ELS with k = 5: at most 5 of the user's examples; group privacy of size 5
+    run, held = _audit_run({"name": "full_batch"}, {"unit": "user", "max_examples_per_user": 5}, epsilon=4.0)
+    claimed, audited = _audit(run, held)
+    print(f"ELS (k = 5): claimed user ε = {claimed:.3f}, audited >= {audited:.3f}")
+    assert run.group == 5 and audited <= claimed
+
+
+def test_uls_trains_a_model_of_ones_own_data_with_users():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16, dtype=torch.float32), torch.tensor(y)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
+    recipe = {"algorithm": "dp_adam", "sampler": {"name": "user_poisson", "users_per_step": 20},
+              "update": {"lr": 0.02}, "train": {"steps": 60},
+              "privacy": {"epsilon": 6.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 8}}
+    r = dpregistry.train(recipe, model=model, loss=per_example, train_data=list(zip(x[:1400], y[:1400])),
+                         eval_data=list(zip(x[1400:], y[1400:])), users=torch.arange(1400) // 20, verbose=False)
+    assert r.epsilon <= 6.0 and r.summary["users"] == 70 and r.metrics["accuracy"] > 0.3  # chance: 0.1
+    assert math.isfinite(r.metrics["loss"])
