@@ -31,9 +31,15 @@ REPO = Path(__file__).resolve().parents[1]
 #: named trainable subsets (regular expressions on parameter names)
 TRAINABLE = {
     "head": {"include": ["^head\\."]},
-    "bitfit": {"include": ["^head\\.", "LayerNorm", "\\.bias$"]},          # head, LayerNorms and biases
+    # head, LayerNorms and biases (31k of 22.7M); the pooler is unused by mean pooling
+    "bitfit": {"include": ["^head\\.", "LayerNorm", "\\.bias$"], "exclude": ["pooler"]},
+    # BitFit and weights DP-GRAPE projects (rank r < 384): the attention outputs, or every block's outputs
+    "bitfit+attn_out": {"include": ["^head\\.", "LayerNorm", "\\.bias$", "attention\\.output\\.dense\\.weight"],
+                        "exclude": ["pooler"]},
+    "bitfit+out": {"include": ["^head\\.", "LayerNorm", "\\.bias$", "output\\.dense\\.weight"],
+                   "exclude": ["pooler"]},
     "top2": {"include": ["^head\\.", "layer\\.[45]\\."]},                   # head and the last two blocks
-    "all": {"exclude": ["embeddings\\.word_embeddings"]},                   # all but the word embeddings
+    "all": {"exclude": ["embeddings\\.word_embeddings", "pooler"]},         # all but the word embeddings
 }
 
 
