@@ -17,7 +17,7 @@ ALGORITHMS = {"kl_adaptive_gd_diabetes": [], "kl_proximal_point_logistic": [], "
               "klt_sp_zo_ring": [], "ztc_l1": [], "ztc_naive_l1": [], "quickstart": [],
               "quadratic_dpgd0th": [], "quadratic_dpzero": [],
               # the HF recipes' algorithms, on the SST-2 sample and the packaged MiniLM
-              "minilm_sst2_dpgrape": ["data.k_per_class=64", "data.max_test=8"],
+              "minilm_sst2_dpgrape": ["data.k_per_class=64", "data.max_test=8", "sampler.batch_size=32"],
               "minilm_sst2_dpzero": ["data.k_per_class=64", "data.max_test=8"]}
 
 

@@ -135,7 +135,9 @@ def test_minilm_recipe_starts_zero_shot_and_runs(sst2_dir, tmp_path):
     5.5 binomial standard deviations above it); the recipe trains from there with DPZero."""
     run = make_run(RECIPES / "minilm_sst2_dpzero.yaml", sets=[f"data.path={sst2_dir}", "data.k_per_class=32",
                                                                "data.max_test=300", "train.steps=2",
-                                                               "sampler.batch_size=8"])
+                                                               "sampler.batch_size=8", "objective.trainable={}",
+                                                               'model.label_descriptions=["It was terrible.", '
+                                                               '"It was great."]'])
     acc = run.objective.evaluate()["accuracy"]
     assert 0.66 <= acc <= 0.72
     obj = run.objective
