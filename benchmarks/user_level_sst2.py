@@ -14,7 +14,7 @@ Each run is a fresh process (its peak RSS is its own ``ru_maxrss``, read by ``wa
 training loop's wall time, with evaluation excluded. The test score is SST-2's 872 labelled test
 sentences.
 
-    python benchmarks/user_level_sst2.py --data /path/to/sst2 [--steps 100] [--batch 64] [--k 4]
+    python benchmarks/user_level_sst2.py --data /path/to/sst2 [--steps N] [--batch 256] [--k 4]
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ RECIPES = {"example": "minilm_sst2_dp_adam.yaml", "els": "minilm_sst2_dp_adam.ya
 
 
 def sets_for(method: str, data: str, steps: int, batch: int, k: int) -> list[str]:
-    common = [f"data.path={data}", "data.k_per_class=null", f"train.steps={steps}", "train.eval_every=null",
-              "train.checkpoint_every=null", "train.progress=false"]
+    common = [f"data.path={data}", "data.k_per_class=null", "train.eval_every=null",
+              "train.checkpoint_every=null", "train.progress=false"] + ([f"train.steps={steps}"] if steps else [])
     if method == "example":
         return common + [f"sampler.batch_size={batch}"]
     user = ["privacy.unit=user", f"privacy.max_examples_per_user={k}", "data.rows_per_user=20"]
@@ -79,8 +79,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=os.environ.get("DPREG_SST2_DIR", str(REPO.parent / "shared/data/sst2")),
                     help="a folder with SST-2's train.tsv and test.tsv")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--batch", type=int, default=64, help="examples per step (ULS: batch ÷ k users of k rows)")
+    ap.add_argument("--steps", type=int, help="default: the recipe's")
+    ap.add_argument("--batch", type=int, default=256, help="examples per step (ULS: batch ÷ k users of k rows)")
     ap.add_argument("--k", type=int, default=4, help="privacy.max_examples_per_user")
     ap.add_argument("--child"), ap.add_argument("--out"), ap.add_argument("--sets")
     a = ap.parse_args()
@@ -91,7 +91,9 @@ def main() -> None:
         print(f"running {method} ...", flush=True)
         rows[method] = measure(method, sets_for(method, a.data, a.steps, a.batch, a.k))
     base = rows["example"]
-    print(f"\nMiniLM + SST-2 (all {a.steps} steps, {a.batch} examples per step, k = {a.k}, 20 rows per user)")
+    steps = a.steps or "the recipe's"
+    print(f"\nMiniLM + SST-2, all of train.tsv ({steps} steps, {a.batch} examples per step, "
+          f"k = {a.k}, 20 rows per user)")
     print(f"{'run':<34} {'unit':<8} {'ε':>6} {'accuracy':>9} {'time ÷ ex.':>11} {'memory ÷ ex.':>13}")
     names = {"example": "example-level DP-Adam", "uls": "ULS (user_poisson)", "els": "ELS (poisson, group k)"}
     for m, r in rows.items():
