@@ -41,6 +41,8 @@ RECIPES = {
     "minilm_sst2_dp_adam": SMALL_TEXT + ["train.steps=2"],
     "minilm_sst2_dpgrape": SMALL_TEXT + ["train.steps=2"],
     "minilm_sst2_dpzero": SMALL_TEXT + ["train.steps=3"],
+    "minilm_sst2_user_dp_adam": [f"data.path={SST2}", "sampler.users_per_step=8", "model.max_length=32",
+                                 "train.steps=2"],
     "vit-base_cifar10_dpgrape": ["train.steps=1", "sampler.batch_size=4", "train.micro_batch_size=4"],
 }
 #: shipped recipes that do not run on a CPU in a test, and why
