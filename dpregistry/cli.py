@@ -23,6 +23,7 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from .errors import UserError
+from .progress import saying
 
 # click's exceptions, from whichever click typer uses (recent typer vendors its own copy)
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -363,7 +364,8 @@ def privacy_calibrate(epsilon: Annotated[float, typer.Option("--epsilon")],
         _check_ranges(epsilon=epsilon, delta=delta, steps=steps, sample_rate=sample_rate, relation=relation)
         acc = _accountant(accountant, epsilon, delta, relation)
         t0 = time.time()
-        z = acc.calibrate(_subsampled_plan(steps, sample_rate, relation))
+        with saying(None if as_json else lambda m: err.print(escape(m), style="yellow", soft_wrap=True)):
+            z = acc.calibrate(_subsampled_plan(steps, sample_rate, relation))
         secs = time.time() - t0
         achieved = acc.epsilon(delta, extra=_subsampled_plan(steps, sample_rate, relation)(z))
     if as_json:

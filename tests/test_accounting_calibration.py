@@ -124,3 +124,27 @@ def test_solver_returns_a_fitting_bracket_end_within_rtol(root, k, guess, rtol, 
     assert slack(z) <= 0
     assert root <= z <= root * (1 + rtol) * (1 + 1e-12)
     assert len(calls) < 120
+
+
+def test_a_calibration_stopped_by_the_pld_size_bound_says_so():
+    """At q = 256/67,349 the boundary lies where a replace-one PLD needs more points than its bound:
+    the calibration returns a fitting multiplier that spends well under the target (a coarser
+    discretization reaches the target with less noise) and says why; a tight one says nothing."""
+    from dpregistry.progress import saying
+
+    budget = Budget(6.0, 1e-5, relation="replace_one")
+    plan = poisson_plan(256 / 67349, 30, "replace_one")
+    said: list[str] = []
+    acc = make_accountant("pld", budget)
+    with saying(said.append):
+        z = acc.calibrate(plan)
+    eps = acc.epsilon(extra=plan(z))
+    assert eps <= 6.0 and eps < 0.98 * 6.0
+    coarse = make_accountant({"name": "pld", "discretization": 1e-3}, budget)
+    z_coarse = coarse.calibrate(plan)  # the budget allowed less noise, as the message says
+    assert z_coarse < 0.9 * z and coarse.epsilon(extra=plan(z_coarse)) == pytest.approx(6.0, rel=1e-2)
+    assert len(said) == 1 and f"{z:.4g}" in said[0] and "size limit" in said[0] and "discretization" in said[0]
+    said.clear()
+    with saying(said.append):
+        make_accountant("pld", budget).calibrate(poisson_plan(0.01, 1000, "replace_one"))
+    assert said == []

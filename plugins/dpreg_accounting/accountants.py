@@ -39,6 +39,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdplib
 from pydantic import Field
 
 from dpregistry.errors import UserError
+from dpregistry.progress import say
 from dpregistry.privacy.accountant import (Accountant, _log_ratio, largest_extra, solve_boundary,
                                            total_fits)
 from dpregistry.privacy.conversions import epsilon_to_zcdp, gaussian_zcdp, zcdp_to_delta, zcdp_to_epsilon
@@ -521,7 +522,7 @@ class PldAccountant(Accountant):
         b = self.budget
         try:
             return _log_ratio(self._epsilon(self.ledger.grouped(plan(z)), b.delta, discretization), b.epsilon)
-        except PldTooLarge as e:  # a loss that wide is far over any budget; the search moves on
+        except PldTooLarge as e:  # not computable within the bound: taken as not fitting (calibrate says so)
             self._refused_size = e
             return math.inf
 
@@ -576,11 +577,20 @@ class PldAccountant(Accountant):
     def calibrate(self, plan, **kw):
         self._refused_size = None
         try:
-            return self._calibrate(plan, **kw)
+            z = self._calibrate(plan, **kw)
         except UserError:
             if self._refused_size is not None:  # no fit because nothing could be computed: say why
                 raise self._refused_size from None
             raise
+        if self._refused_size is not None:
+            # Smaller multipliers were refused by the size bound, not found over budget: the result
+            # fits, but may spend well under the target; the user should know why.
+            eps, target = self._epsilon(self.ledger.grouped(plan(z)), self.budget.delta), self.budget.epsilon
+            if eps < 0.98 * target:
+                say(f"pld: the noise multiplier stops at {z:.4g} (ε = {eps:.4g} of {target:g}): a smaller one needs "
+                    f"a privacy-loss array over the size limit; a coarser accountant.discretization (say "
+                    f"{self.cfg.discretization * 10:g}) can spend the whole budget")
+        return z
 
 
 # ------------------------------------------------------------------------------------------
