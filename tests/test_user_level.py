@@ -101,13 +101,19 @@ def _estimator(kind):
                                                                   project=LayerSelection(exclude=[])))
 
 
-@pytest.mark.parametrize("kind", ["dense", "projected"])
-def test_the_norm_of_a_users_sum_is_computed_from_the_factors_as_autograd_gives_it(kind):
+def _set_up(kind):
+    """The Tokens objective, its parameters, a context and a set-up estimator of ``kind``."""
     obj = Tokens()
     params = dict(obj.model.named_parameters())
     ctx = Context.detached(params, n_train=obj.n_train, provides={Objective: obj})
     est = _estimator(kind)
     est.setup(ctx)
+    return obj, params, ctx, est
+
+
+@pytest.mark.parametrize("kind", ["dense", "projected"])
+def test_the_norm_of_a_users_sum_is_computed_from_the_factors_as_autograd_gives_it(kind):
+    obj, params, ctx, est = _set_up(kind)
     idx = torch.arange(obj.n_train)
     users = torch.tensor([0] * 7 + [1] * 1 + [2] * 9 + [3] * 7)  # uneven groups
     contrib = next(est.contributions(obj, idx, ctx))
@@ -129,11 +135,7 @@ def test_the_norm_of_a_users_sum_is_computed_from_the_factors_as_autograd_gives_
 @pytest.mark.parametrize("kind", ["dense", "projected"])
 def test_a_user_with_a_huge_gradient_moves_the_clipped_sum_by_at_most_c(kind):
     C = 0.5
-    obj = Tokens()
-    params = dict(obj.model.named_parameters())
-    ctx = Context.detached(params, n_train=obj.n_train, provides={Objective: obj})
-    est = _estimator(kind)
-    est.setup(ctx)
+    obj, params, ctx, est = _set_up(kind)
     idx = torch.arange(obj.n_train)
     users = torch.arange(obj.n_train) // 4  # six users of four examples
 
