@@ -110,7 +110,18 @@ class SpiderParams(KLParams):
         description="θ, the anchors' share of ρ in exact mode (default: 1 at κ = 2, else 1/2)")
 
 
-class KLSpider(Algorithm):
+class _Scheduled(Algorithm):
+    """A KL algorithm with a precomputed schedule (``self.sched``): it runs until the schedule's
+    worst-case number of releases (capped by ``train.steps``), or until its state says it finished."""
+
+    def total_steps(self, ctx):
+        return min(ctx.max_steps, self.sched.worst_case_releases if self.sched else 0)
+
+    def done(self, ctx):
+        return self.state.finished or ctx.step >= self.total_steps(ctx)
+
+
+class KLSpider(_Scheduled):
     """KL-Spider (Alg. 1): rounds of a noisy anchor gradient and noisy SPIDER differences, normalised steps.
 
     Corrected loop (spec §1.1, [AMBIG-4]): round k releases the anchor v at w, then while
@@ -179,12 +190,6 @@ class KLSpider(Algorithm):
             self.state.finished = True  # K ≤ 0: return w0 with no spend (spec §1.1 [REC])
         self.idx = full_indices(stages, ctx)
 
-    def total_steps(self, ctx):
-        return min(ctx.max_steps, self.sched.worst_case_releases if self.sched else 0)
-
-    def done(self, ctx):
-        return self.state.finished or ctx.step >= self.total_steps(ctx)
-
     def anchor_event(self):
         return self.stages.privatizer.event(self.sched.sigma_hat * self.sched.n)
 
@@ -251,7 +256,7 @@ class ProximalParams(KLParams):
         default=None, ge=2, description="cap on Alg. 4's T_A (privacy unchanged; Lemma 3's utility bound then void)")
 
 
-class KLProximalPoint(Algorithm):
+class KLProximalPoint(_Scheduled):
     """Private proximal point (Alg. 2) for κ ≥ 2, weakly convex: T calls of projected noisy GD (Alg. 4).
 
     Call t minimises F + L̃1‖w − w_{t−1}‖² by Alg. 4 under budget ρ/T: u_1 = w_{t−1}, T_A − 1 noisy
@@ -310,12 +315,6 @@ class KLProximalPoint(Algorithm):
         if self.sched.T == 0 or self.sched.T_A < 2:
             self.state.finished = True
         self.idx = full_indices(stages, ctx)
-
-    def total_steps(self, ctx):
-        return min(ctx.max_steps, self.sched.worst_case_releases if self.sched else 0)
-
-    def done(self, ctx):
-        return self.state.finished or ctx.step >= self.total_steps(ctx)
 
     def event(self):
         return self.stages.privatizer.event(self.sched.sigma * self.sched.n)
