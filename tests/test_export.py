@@ -427,22 +427,32 @@ def test_a_byte_tokenizer_run_is_refused(lms, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_own_model_export(tmp_path):
-    """dpregistry.train's own-model path: a transformers model is saved as it is; a plain torch
-    module is refused with the reason."""
+def tiny_bert_task(n: int):
+    """A seeded one-layer BERT classifier, n examples of token ids labelled by the parity of their
+    first token, and a per-example loss(model, batch) for dpregistry.train."""
     import torch.nn.functional as F
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
     model = BertForSequenceClassification(BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1,
                                                      num_attention_heads=2, intermediate_size=32, num_labels=2))
-    ids = torch.randint(3, 30, (40, 6))
-    data = [({"input_ids": ids[i]}, int(ids[i, 0]) % 2) for i in range(40)]
+    ids = torch.randint(3, 30, (n, 6))
+    data = [({"input_ids": ids[i]}, int(ids[i, 0]) % 2) for i in range(n)]
 
     def loss(model, batch):
         inputs, y = batch
         return F.cross_entropy(model(**inputs).logits, y, reduction="none")
 
+    return model, ids, data, loss
+
+
+def test_own_model_export(tmp_path):
+    """dpregistry.train's own-model path: a transformers model is saved as it is; a plain torch
+    module is refused with the reason."""
+    import torch.nn.functional as F
+    from transformers import BertForSequenceClassification
+
+    model, ids, data, loss = tiny_bert_task(40)
     recipe = {"algorithm": "dp_sgd", "sampler": {"batch_size": 8}, "update": {"lr": 0.1},
               "privacy": {"epsilon": 4.0, "delta": 1e-3}, "train": {"steps": 2, "progress": False}}
     result = dpregistry.train(recipe, model=model, loss=loss, train_data=data, out=tmp_path / "run", verbose=False)
@@ -464,19 +474,7 @@ def test_a_user_level_card_states_the_users_and_k_as_the_run_did(tmp_path, sampl
     """User-level DP: the card's ε is the run's user-level ε (ELS: k times the example-level ε of
     the ledger, not the ledger's own), with the number of users, k and the mechanism; reproducible
     noise is said to be NOT a privacy guarantee."""
-    import torch.nn.functional as F
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1,
-                                                     num_attention_heads=2, intermediate_size=32, num_labels=2))
-    ids = torch.randint(3, 30, (48, 6))
-    data = [({"input_ids": ids[i]}, int(ids[i, 0]) % 2) for i in range(48)]
-
-    def loss(model, batch):
-        inputs, y = batch
-        return F.cross_entropy(model(**inputs).logits, y, reduction="none")
-
+    model, ids, data, loss = tiny_bert_task(48)
     recipe = {"algorithm": "dp_sgd", "sampler": sampler, "update": {"lr": 0.1},
               "privacy": {"epsilon": 8.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 3,
                           "noise": "reproducible"}, "train": {"steps": 2, "progress": False}}
@@ -500,22 +498,13 @@ def test_a_user_level_card_states_the_users_and_k_as_the_run_did(tmp_path, sampl
 def test_own_peft_model_exports_its_adapter(tmp_path):
     """Your own peft-wrapped transformers model: the adapter, which peft loads onto the same base to
     give the trained model's logits exactly."""
-    import torch.nn.functional as F
     from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
-    torch.manual_seed(0)
-    BertForSequenceClassification(BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                             intermediate_size=32, num_labels=2)).save_pretrained(tmp_path / "base")
+    base, ids, data, loss = tiny_bert_task(40)
+    base.save_pretrained(tmp_path / "base")
     model = get_peft_model(BertForSequenceClassification.from_pretrained(tmp_path / "base"),
                            LoraConfig(r=2, target_modules=["query", "value"], modules_to_save=["classifier"]))
-    ids = torch.randint(3, 30, (40, 6))
-    data = [({"input_ids": ids[i]}, int(ids[i, 0]) % 2) for i in range(40)]
-
-    def loss(model, batch):
-        inputs, y = batch
-        return F.cross_entropy(model(**inputs).logits, y, reduction="none")
-
     recipe = {"algorithm": "dp_sgd", "sampler": {"batch_size": 8}, "update": {"lr": 0.5},
               "privacy": {"epsilon": 4.0, "delta": 1e-3}, "train": {"steps": 2, "progress": False}}
     result = dpregistry.train(recipe, model=model, loss=loss, train_data=data, verbose=False)
