@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from .directions import Direction
+from .privacy.secret import SecretStream
 from .space_names import DENSE, GRADIENT, INCREMENT, PROJECTED, SEEDED_DIRECTION, SPACES, VECTOR_ZO  # noqa: F401
 
 
@@ -87,9 +88,11 @@ class Aggregate(ABC):
         that is public)."""
         if std == 0:
             return
-        for k in sorted(self.tensors):
-            t = self.tensors[k]
-            t.add_(source.randn(t.shape, dtype=t.dtype, device=t.device), alpha=std)
+        tensors = [self.tensors[k] for k in sorted(self.tensors)]
+        if isinstance(source, SecretStream):  # a cipher stream adds in chunks, on every core
+            source.add_noise_(tensors, std)
+        else:  # anything else with a randn (a test's recorder)
+            SecretStream.add_noise_(source, tensors, std)
 
     def clone(self) -> "Aggregate":
         new = object.__new__(type(self))

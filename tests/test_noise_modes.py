@@ -191,21 +191,41 @@ def test_an_old_recipe_with_secure_noise_gets_one_line_saying_what_to_write(tmp_
 
 def test_cipher_gaussians_are_the_sum_of_two_box_muller_samples_from_the_keystream():
     """Recompute outputs from the AES-256-CTR keystream in plain float64 math: each output is
-    (BM(pair j) + BM(pair j + m/2))/√2, each pair from two 53-bit uniforms (the defence against the
-    floating-point attack on a single Box–Muller sample)."""
+    (BM(pair j) + BM(pair j + m/2))/√2 (the defence against the floating-point attack on a single
+    Box–Muller sample), pair j taking u = 1 - ⌊a/2¹²⌋/2⁵² on (0, 1] from word j and θ = π·b/2⁶³
+    from word m + j read as signed."""
     key = bytes(range(32))
     n = 10
     z = secret.CipherStream(key).randn((n,), dtype=torch.float64)
     m = n
     stream = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor().update(bytes(16 * m))
     words = np.frombuffer(stream, dtype=np.uint64)
-    u = [((int(w) >> 11) + 1) / 2.0 ** 53 for w in words]
-    r = [math.sqrt(-2 * math.log(u[j])) for j in range(m)]
-    th = [2 * math.pi * u[m + j] for j in range(m)]
+    u = [1 - (int(w) >> 12) / 2.0 ** 52 for w in words[:m]]
+    th = [math.pi * int(w) / 2.0 ** 63 for w in words[m:].view(np.int64)]
+    r = [math.sqrt(-2 * math.log(x)) for x in u]
     h = m // 2
     expect = [(r[j] * math.cos(th[j]) + r[j + h] * math.cos(th[j + h])) / math.sqrt(2) for j in range(h)] + \
              [(r[j] * math.sin(th[j]) + r[j + h] * math.sin(th[j + h])) / math.sqrt(2) for j in range(h)]
-    assert z.tolist() == pytest.approx(expect, rel=1e-12, abs=1e-12)
+    assert z.tolist() == pytest.approx(expect, rel=1e-12, abs=1e-9)  # sin θ via √(1 - cos²θ): ≤ 2·10⁻⁸
+
+
+def test_the_extreme_keystream_words_give_finite_samples(monkeypatch):
+    """Radius words 0 and 2⁶⁴-1 (u = 1 and u = 2⁻⁵², the largest radius), angle words at 0, ±π and
+    next to them (cos θ = ±1, where sin θ comes from √(1 - cos²θ)): every output is finite and
+    equals the float64 formula."""
+    extremes = np.array([0, 2 ** 64 - 1, 1 << 12, 2 ** 63, 2 ** 63 - 1, 1], dtype=np.uint64)
+    m = len(extremes)
+    a, b = np.repeat(extremes, m), np.tile(extremes, m)  # every radius word with every angle word
+    words = np.concatenate([a, b])
+    monkeypatch.setattr(secret, "_keystream", lambda key, first, blocks, zeros, out: words.copy())
+    z = secret.CipherStream(secret.new_key()).randn((m * m,), dtype=torch.float64)
+    assert bool(torch.isfinite(z).all())
+    rho = [math.sqrt(-math.log(1 - (int(w) >> 12) / 2.0 ** 52)) for w in a]
+    th = [math.pi * int(w) / 2.0 ** 63 for w in b.view(np.int64)]
+    h = m * m // 2
+    expect = [rho[j] * math.cos(th[j]) + rho[j + h] * math.cos(th[j + h]) for j in range(h)] + \
+             [rho[j] * math.sin(th[j]) + rho[j + h] * math.sin(th[j + h]) for j in range(h)]
+    assert z.tolist() == pytest.approx(expect, rel=1e-12, abs=1e-7)
 
 
 def test_cipher_gaussians_are_standard_normal_and_independent_of_the_thread_count(monkeypatch):
@@ -224,6 +244,28 @@ def test_cipher_gaussians_are_standard_normal_and_independent_of_the_thread_coun
     s = secret.CipherStream(key)  # successive draws continue the stream
     assert not torch.equal(s.randn((8,)), s.randn((8,)))
     assert secret.CipherStream(key).randn((3, 4), dtype=torch.float16).dtype == torch.float16
+
+
+def test_cipher_noise_is_added_as_one_stream_over_the_tensors_whatever_the_thread_count(monkeypatch):
+    """add_noise_ adds std·z with z the stream's next Gaussians laid end to end over the tensors
+    (chunks crossing tensor boundaries, each dtype rounded once), and the pool does not change it."""
+    key = secret.new_key()
+    shapes = [((5, 7), torch.float32), ((secret.CHUNK + 3,), torch.float32), ((3,), torch.float64),
+              ((2 * secret.CHUNK // 3,), torch.bfloat16), ((10,), torch.float16)]
+    z = 2.0 * secret.CipherStream(key).randn((sum(math.prod(s) for s, _ in shapes),), dtype=torch.float64)
+
+    def noised(workers):
+        monkeypatch.setattr(secret._POOL, "workers", workers)
+        ts = [torch.full(s, 0.5, dtype=d) for s, d in shapes]
+        secret.CipherStream(key).add_noise_(ts, 2.0)
+        return ts
+
+    ts, start = noised(2), 0
+    for t in ts:
+        k = t.numel()
+        assert torch.equal(t.view(-1), (0.5 + z[start:start + k]).to(t.dtype))
+        start += k
+    assert all(torch.equal(a, b) for a, b in zip(ts, noised(1)))
 
 
 def test_cipher_uniforms_sample_at_the_requested_rate():
