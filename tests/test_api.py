@@ -182,3 +182,27 @@ def test_model_loading_draws_no_third_party_progress_bar(capfd):
     out, err = capfd.readouterr()
     assert "Loading weights" not in out + err and "it/s" not in out + err
     assert tlog.is_progress_bar_enabled()  # restored for the user's own loads afterwards
+
+
+@pytest.mark.parametrize("hub_bars_off", [True, False])
+def test_silencing_the_hf_libraries_restores_each_ones_own_settings(hub_bars_off):
+    """transformers' bar switch also flips huggingface_hub's: a user who turned the hub's bars off
+    (or left them on) and set datasets' verbosity finds both as they were."""
+    import huggingface_hub.utils as hub
+    from datasets.utils import logging as dlog
+    from transformers.utils import logging as tlog
+
+    from dpregistry.hf import quiet
+
+    tlog.enable_progress_bar()
+    (hub.disable_progress_bars if hub_bars_off else hub.enable_progress_bars)()
+    dlog.set_verbosity(dlog.INFO)
+    try:
+        with quiet():
+            assert hub.are_progress_bars_disabled() and not tlog.is_progress_bar_enabled()
+            assert dlog.get_verbosity() > dlog.ERROR
+        assert hub.are_progress_bars_disabled() == hub_bars_off and tlog.is_progress_bar_enabled()
+        assert dlog.get_verbosity() == dlog.INFO
+    finally:
+        dlog.set_verbosity(dlog.WARNING)
+        hub.enable_progress_bars()

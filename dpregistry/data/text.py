@@ -20,7 +20,6 @@ import hashlib
 import json
 import random
 from collections import Counter, OrderedDict
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
@@ -29,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import UserError
 from ..files import open_regular, require_regular
+from ..hf import quiet
 from ..progress import say
 
 FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
@@ -44,28 +44,6 @@ HINT_ROWS = 10_000
 # ------------------------------------------------------------------------------------------
 # reading with datasets
 # ------------------------------------------------------------------------------------------
-
-
-@contextmanager
-def _quietly():
-    """datasets logs what it caches and every read error at ERROR level, and draws progress bars;
-    huggingface_hub logs each retry of an unreachable hub; a refusal is one line, so both are
-    silent while they work (and restored after)."""
-    from datasets.utils import logging as dlog
-    from datasets.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-    from huggingface_hub.utils import logging as hlog
-
-    levels, bars_off = (dlog.get_verbosity(), hlog.get_verbosity()), are_progress_bars_disabled()
-    dlog.set_verbosity(dlog.CRITICAL)
-    hlog.set_verbosity(hlog.CRITICAL)
-    disable_progress_bars()
-    try:
-        yield
-    finally:
-        dlog.set_verbosity(levels[0])
-        hlog.set_verbosity(levels[1])
-        if not bars_off:
-            enable_progress_bars()
 
 
 def _digest(path: Path) -> str:
@@ -136,7 +114,7 @@ def read_file(path: str | Path, *, fmt: str | None = None, header: bool = True,
                       features=datasets.Features({n: datasets.Value("string") for n in names}))
     import glob
 
-    with _quietly():
+    with quiet():
         try:
             ds = datasets.load_dataset(BUILDERS[fmt], name=f"dpreg-{_digest(path)}", split="rows",
                                        data_files={"rows": glob.escape(str(path.resolve()))}, **kwargs)
@@ -577,7 +555,7 @@ class TextData(BaseModel):
         import datasets
 
         if self.hub is not None:
-            with _quietly():
+            with quiet():
                 try:
                     return datasets.load_dataset(self.hub, self.subset), Source(self.hub)
                 except ConnectionError:
@@ -670,7 +648,7 @@ def _load_from_disk(folder: Path, key: str):
 
     for sub in [folder, *(p for p in folder.iterdir() if p.is_dir())]:
         require_regular_files(sub, key=key)  # a FIFO among the Arrow files would block the run
-    with _quietly():
+    with quiet():
         try:
             return datasets.load_from_disk(str(folder))
         except Exception as e:  # noqa: BLE001 -- not a saved data set, or a damaged one
