@@ -12,7 +12,6 @@ Validation, accounting and checkpoints are those of ``dpreg run``: a bad recipe 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from contextlib import ExitStack
@@ -135,15 +134,6 @@ def load_recipe(recipe: str | Path | dict, sets=None, *, own: bool = False):
     return load(find_recipe(str(recipe)), sets)
 
 
-def quiet_libraries() -> None:
-    """Keep library chatter (progress bars, advisory warnings) out of the output; read by
-    transformers and huggingface_hub when they are first imported."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-
-
 # ------------------------------------------------------------------------------------------------
 # several processes
 # ------------------------------------------------------------------------------------------------
@@ -221,7 +211,6 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
     from .folder import check_out, claim, start_run
     from .run import Run
 
-    quiet_libraries()
     provides = _own_objects(model, loss, train_data, eval_data, metrics, users)
     comm = process_group()
     r = load_recipe(recipe, set, own=provides is not None)
@@ -248,7 +237,6 @@ def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: in
     from .folder import not_a_run_folder, resume_run, run_lock
     from .loop import finish
 
-    quiet_libraries()
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError("run folder not found", file=str(run_dir))

@@ -223,10 +223,8 @@ def export(run_dir: Annotated[Path, typer.Argument(help="folder of a finished ru
            overwrite: Annotated[bool, typer.Option("--overwrite", help="replace what --to holds")] = False):
     """Write the run's model as a Hugging Face folder (config, model.safetensors, tokenizer; LoRA as a
     peft adapter) with a model card (README.md) that states its privacy guarantee."""
-    from .api import quiet_libraries
     from .export import CARD, export_run_folder
 
-    quiet_libraries()
     with user_errors():
         out = export_run_folder(run_dir, to, merge=merge, overwrite=overwrite)
     console.print(f"exported to {escape(str(out))} (model card: {escape(str(out / CARD))})", highlight=False)
@@ -235,10 +233,8 @@ def export(run_dir: Annotated[Path, typer.Argument(help="folder of a finished ru
 @app.command()
 def validate(recipe: str, set_: SetOpt = None):
     """Check a recipe (schema, stages, data and model paths, budget) without training."""
-    from .api import quiet_libraries
     from .run import Run
 
-    quiet_libraries()
     with user_errors():
         r = load_recipe(recipe, set_)
         run_ = Run(r).prepare()
@@ -462,7 +458,18 @@ def privacy_report(run_dir: Path,
         console.print(f"plot: {rep['plot']}")
 
 
+def quiet_libraries() -> None:
+    """Defaults for dpreg's own process, read by the Hugging Face libraries when first imported:
+    no tokenizer-fork warning, transformers' advisories and bars off (a Python caller's environment
+    is left alone; loads are silenced while they run by ``dpregistry.hf.quiet``)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+
 def main():
+    quiet_libraries()
     try:
         app()
     except UserError as e:  # raised outside a command (plugin loading)
