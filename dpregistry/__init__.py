@@ -22,7 +22,7 @@ _LAZY = {
     **dict.fromkeys(["Algorithm", "Charge", "ClippedSum", "Estimator", "Objective", "Privatizer", "Release",
                      "Sampler", "Stage", "StageParams", "Stages", "StepResult", "UpdateRule"], ".stages"),
     "Context": ".context",
-    **dict.fromkeys(["train", "resume", "Result"], ".api"),
+    **dict.fromkeys(["train", "resume", "Result", "Stopped", "Terminated"], ".api"),
     "Accountant": ".privacy.accountant",
     "Budget": ".privacy.accountant",
     "StagePlugin": ".registry",
@@ -49,5 +49,5 @@ __all__ = [
     "__version__", "hookimpl", "UserError", "BudgetExhausted",
     "Stage", "StageParams", "Objective", "Sampler", "Estimator", "Privatizer", "UpdateRule",
     "Accountant", "Algorithm", "Budget", "Charge", "ClippedSum", "Release", "StepResult",
-    "Stages", "Context", "events", "spaces", "StagePlugin", "train", "resume", "Result",
+    "Stages", "Context", "events", "spaces", "StagePlugin", "train", "resume", "Result", "Stopped", "Terminated",
 ]

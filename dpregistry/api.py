@@ -12,6 +12,7 @@ Validation, accounting and checkpoints are those of ``dpreg run``: a bad recipe 
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from contextlib import ExitStack
@@ -85,6 +86,34 @@ class Result:
     def __repr__(self) -> str:
         eps = "-" if self.epsilon is None else f"{self.epsilon:.4g}"
         return f"Result(step={self.summary.get('step')}, epsilon={eps}, metrics={self.metrics}, run_dir={self.run_dir})"
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) stopped the run: raised by :func:`train` and :func:`resume` once what the run
+    spent is saved, so that a script or a notebook cell stops as Ctrl-C stops it; ``result`` holds
+    the run as it stands (``dpregistry.resume(result.run_dir)`` continues it)."""
+
+    def __init__(self, result: Result):
+        super().__init__(result.stopped)
+        self.result = result
+
+
+class Terminated(SystemExit):
+    """SIGTERM stopped the run: as :class:`Stopped`, then the interpreter exits with 128 + 15, as a
+    terminated process does, after running the caller's ``finally`` blocks."""
+
+    def __init__(self, result: Result):
+        super().__init__(128 + signal.SIGTERM)
+        self.result = result
+
+
+def _unless_stopped(result: Result) -> Result:
+    sig = result.run.stop_signal
+    if sig == signal.SIGINT:
+        raise Stopped(result)
+    if sig == signal.SIGTERM:
+        raise Terminated(result)
+    return result
 
 
 # ------------------------------------------------------------------------------------------------
@@ -224,7 +253,7 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
         start_run(run, out_dir)
         summary = _train(run, verbose and (comm is None or comm.rank == 0), console)
     leave(comm)
-    return Result(run, summary, out_dir)
+    return _unless_stopped(Result(run, summary, out_dir))
 
 
 def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: int | None = None, model=None,
@@ -260,7 +289,7 @@ def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: in
                 say(f"resuming {run_dir} at step {r.step} of {r.total_steps}; spent so far: {spent(r)}")
             summary = _train(r, verbose and rank0, console)
     leave(comm)
-    return Result(r, summary, run_dir)
+    return _unless_stopped(Result(r, summary, run_dir))
 
 
 def spent(run) -> str:

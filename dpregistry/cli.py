@@ -158,7 +158,7 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
         quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
         nproc: Annotated[int, typer.Option("--nproc", help="data-parallel processes on this node (torchrun)")] = 1):
     """Train privately with RECIPE; writes metrics.jsonl, summary.json and checkpoints/ under --out."""
-    from .api import train
+    from .api import Stopped, Terminated, train
     from .folder import default_out
 
     if nproc < 1:
@@ -166,8 +166,11 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
     if nproc > 1:
         _relaunch(nproc)
     with user_errors():
-        result = train(recipe, set=set_, out=out or default_out(recipe), overwrite=overwrite, verbose=not quiet,
-                       console=console)
+        try:
+            result = train(recipe, set=set_, out=out or default_out(recipe), overwrite=overwrite,
+                           verbose=not quiet, console=console)
+        except (Stopped, Terminated) as stop:
+            result = stop.result
     _finish(result)
 
 
@@ -177,12 +180,15 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
            max_nonfinite_steps: Annotated[Optional[int], typer.Option(
                "--max-nonfinite-steps", min=0, help="raise train.max_nonfinite_steps of a run stopped at it")] = None):
     """Continue a run from its newest valid checkpoint (the privacy ledger continues too)."""
-    from .api import resume
+    from .api import Stopped, Terminated, resume
 
     with user_errors():
-        result = resume(run_dir, verbose=not quiet, max_nonfinite_steps=max_nonfinite_steps, console=console,
-                        warn=lambda m: err.print(escape(m), style="yellow"),
-                        say=lambda m: console.print(escape(m), highlight=False))
+        try:
+            result = resume(run_dir, verbose=not quiet, max_nonfinite_steps=max_nonfinite_steps, console=console,
+                            warn=lambda m: err.print(escape(m), style="yellow"),
+                            say=lambda m: console.print(escape(m), highlight=False))
+        except (Stopped, Terminated) as stop:
+            result = stop.result
     _finish(result)
 
 

@@ -4,7 +4,9 @@ Python snippets run verbatim."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,36 @@ def test_a_resumed_own_run_continues_the_ledger(tmp_path):
     c = dpregistry.resume(tmp_path / "b", model=model_c, loss=per_example, train_data=train_c, verbose=False)
     assert c.summary["step"] == 20 and c.ledger == straight.ledger == b.ledger
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model_c.parameters()))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_a_python_caller_after_the_run_is_saved(sig, tmp_path):
+    """A loop over configurations stops on Ctrl-C as it would without dpregistry (Stopped is a
+    KeyboardInterrupt; SIGTERM exits as a terminated process, 143), after the run saved what it
+    spent: the exception carries the Result, and resume finishes the run as one straight run would."""
+    model, train, _ = own()
+    straight = dpregistry.train(RECIPE, model=model, loss=per_example, train_data=train, verbose=False)
+    calls = {"n": 0}
+
+    def loss(out, t):
+        calls["n"] += 1
+        if calls["n"] == 6:  # mid-run: the step finishes, then the run stops
+            os.kill(os.getpid(), sig)
+        return per_example(out, t)
+
+    model_b, train_b, _ = own()
+    expected = dpregistry.Stopped if sig == signal.SIGINT else dpregistry.Terminated
+    with pytest.raises(expected) as stop:
+        dpregistry.train(RECIPE, model=model_b, loss=loss, train_data=train_b, verbose=False, out=tmp_path / "b")
+    assert isinstance(stop.value, KeyboardInterrupt if sig == signal.SIGINT else SystemExit)
+    if sig == signal.SIGTERM:
+        assert stop.value.code == 143
+    result = stop.value.result
+    assert 0 < result.summary["step"] < 20 and signal.Signals(sig).name in result.stopped
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["step"] == result.summary["step"]
+    c = dpregistry.resume(tmp_path / "b", model=model_b, loss=per_example, train_data=train_b, verbose=False)
+    assert c.summary["step"] == 20 and c.ledger == straight.ledger
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model_b.parameters()))
 
 
 def test_a_loss_of_model_and_batch_serves_any_example_shape():
