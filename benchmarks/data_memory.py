@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fresh_process import run_child
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 1.5
@@ -69,21 +70,12 @@ def child(folder: str, train: str, steps: int, all_rows: bool) -> None:
 
 def measure(folder: Path, train: str, steps: int, all_rows: bool) -> dict:
     """Peak RSS (MB) and the child's report of one run in a fresh process and a fresh datasets cache."""
-    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryFile("w+") as out, \
-            tempfile.TemporaryFile("w+") as err:
+    with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "HF_DATASETS_CACHE": cache, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "plugins"), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, __file__, "--child", str(folder), train, str(steps), "1" if all_rows else "0"]
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)  # the child's own rusage: its peak RSS
-        seconds = time.perf_counter() - t0
-        out.seek(0)
-        err.seek(0)
-        if os.waitstatus_to_exitcode(status):
-            raise SystemExit(f"the run on {train} failed:\n{err.read()[-3000:]}")
-        report = json.loads(out.read().strip().splitlines()[-1])
-    return {"peak_mb": usage.ru_maxrss / 1024, "wall_s": seconds, **report}
+        out, peak_mib, seconds = run_child(cmd, env=env)
+    return {"peak_mb": peak_mib, "wall_s": seconds, **json.loads(out.strip().splitlines()[-1])}
 
 
 def main() -> None:

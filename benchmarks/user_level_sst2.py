@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fresh_process import run_child
 
 REPO = Path(__file__).resolve().parents[1]
 #: example-level DP-Adam and ELS run the shipped example-level recipe, ULS its user-level version
@@ -65,13 +66,10 @@ def child(method: str, sets: list[str], out: Path) -> None:
 def measure(method: str, sets: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        proc = subprocess.Popen([sys.executable, __file__, "--child", method, "--out", str(out), "--sets",
-                                 json.dumps(sets)], cwd=REPO)
-        _, status, usage = os.wait4(proc.pid, 0)
-        if status != 0 or not out.exists():
-            raise SystemExit(f"{method}: the run failed (status {status})")
+        _, peak_mib, _ = run_child([sys.executable, __file__, "--child", method, "--out", str(out), "--sets",
+                                    json.dumps(sets)], cwd=REPO)
         res = json.loads(out.read_text())
-    res["peak_mib"] = usage.ru_maxrss / 1024
+    res["peak_mib"] = peak_mib
     return res
 
 
