@@ -353,9 +353,13 @@ def model_card(exported: ModelExport, recipe: dict[str, Any], recipe_hash: str, 
     if hub_dataset(recipe):
         front.append(f"datasets: [{json.dumps(hub_dataset(recipe))}]")
     front += ["tags: [differential-privacy, dpregistry]", "---", ""]
-    title = recipe.get("description") or f"{algorithm} on {(recipe.get('objective') or {}).get('name')}"
-    lines = front + [f"# {title}", "", f"{exported.what}, trained with differential privacy by dpregistry "
-                     f"(algorithm `{algorithm}`).", ""]
+    # The title states what ran; the recipe's description is quoted, not trusted: an override
+    # (--set privacy.epsilon=3) leaves "(6, 1e-5)-DP" in it
+    lines = front + [f"# {algorithm} on {(recipe.get('objective') or {}).get('name')}", "",
+                     f"{exported.what}, trained with differential privacy by dpregistry (algorithm `{algorithm}`).", ""]
+    if recipe.get("description"):
+        lines += [f"The recipe's own description: \"{recipe['description']}\" (the guarantee below is what this "
+                  f"run did).", ""]
     lines += _privacy_section(privacy)
     lines += ["## Use", "", "```python", exported.usage.strip(), "```", ""]
     for k, v in exported.details.items():

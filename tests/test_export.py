@@ -23,7 +23,7 @@ import dpregistry
 from conftest import SST2_SUBSET
 from test_core_cli import dpreg
 
-MINILM = {"seed": 0, "algorithm": "dp_adam",
+MINILM = {"seed": 0, "algorithm": "dp_adam", "description": "MiniLM at (1, 1e-5)-DP",  # stale, as after --set
           "objective": {"name": "hf_text_classification", "trainable": {"exclude": [r"embeddings\.word_embeddings"]}},
           "model": {"path": "minilm", "max_length": 32, "pooling": "transformers"},
           "data": {"path": str(SST2_SUBSET), "k_per_class": 32, "max_test": 100},
@@ -180,6 +180,9 @@ def test_the_model_card_states_the_runs_guarantee(minilm):
                            'base_model: "sentence-transformers/all-MiniLM-L6-v2"\n')
     assert "NOT a privacy guarantee" not in card
     assert meta["recipe_hash"] == result.run.recipe.hash
+    # the title says what ran; the recipe's (here stale) description is quoted as its own words
+    assert next(line for line in card.splitlines() if line.startswith("# ")) == "# dp_adam on hf_text_classification"
+    assert 'The recipe\'s own description: "MiniLM at (1, 1e-5)-DP"' in card
 
 
 def test_result_export_writes_what_the_cli_writes(minilm, tmp_path):
