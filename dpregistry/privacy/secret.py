@@ -10,10 +10,10 @@ alone (bitwise resume for whoever holds it).
 
 Gaussians keep the defence against the floating-point attack on naively sampled Gaussians (the
 secret read back from the low-order bits of one Box–Muller sample): each output is the normalised
-sum of two Box–Muller samples from independent pairs, each pair built in float64 from two 53-bit
-uniforms (Holohan & Braghin 2021; Opacus's secure mode sums samples for the same reason), then
-rounded to the working dtype. Each output costs 16 bytes of keystream (two uniforms),
-and one pair's two samples go to two different outputs.
+sum of two Box–Muller samples from independent pairs, each pair built in float64 from a 52-bit
+radius uniform and a 64-bit angle (Holohan & Braghin 2021; Opacus's secure mode sums samples for
+the same reason), then rounded to the working dtype. Each output costs 16 bytes of keystream (one
+pair's two words), and one pair's two samples go to two different outputs.
 
 The work is cut into fixed chunks of ``CHUNK`` outputs that each read their own range of blocks,
 so the numbers do not depend on how many threads compute them. Both AES (``cryptography``) and
@@ -85,8 +85,8 @@ class _Scratch:
 
 
 def _gaussian_chunk(key: bytes, first_block: int, n: int, scratch: _Scratch) -> np.ndarray:
-    """n ≤ CHUNK float64 outputs (a view of ``scratch``) from m pairs, m = len(out) rounded up to even, read from
-    the 2m 64-bit words of blocks [first_block, first_block + m).
+    """n ≤ CHUNK float64 outputs (a view of ``scratch``) from m pairs, m = n rounded up to even,
+    read from the 2m 64-bit words of blocks [first_block, first_block + m).
 
     Pair j has radius word a = word j and angle word b = word m + j: u = 2 - 1.f on (0, 1], where f
     is the top 52 bits of a (the bits of a double in [1, 2), so no conversion), and θ = π·b/2⁶³ on
