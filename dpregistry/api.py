@@ -236,7 +236,8 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
     ``train_data``, ``eval_data``, ``metrics``: your own, for the ``python`` objective (see
     :mod:`dpregistry.own`); the recipe then holds only the stages, the budget and the schedule.
     ``users``: the user of each training example, for ``privacy.unit: user`` (:mod:`dpregistry.users`).
-    ``verbose``: progress bars (terminal or notebook) while it trains."""
+    ``verbose``: progress bars (terminal or notebook) while it trains. A run stopped by SIGINT or
+    SIGTERM raises :class:`Stopped` or :class:`Terminated` once it has saved what it spent."""
     from .folder import check_out, claim, start_run
     from .run import Run
 
