@@ -68,6 +68,11 @@ def per_example_head_grads(d, w, b, idx):
     return r, x
 
 
+def directional_derivatives(r, x, uw, ub):
+    """Each example's loss derivative along the direction (uw, ub): ⟨(p − y) xᵀ, uw⟩ + ⟨p − y, ub⟩."""
+    return (r * (x @ uw.T + ub)).sum(1)
+
+
 def simulate(d, method: str, B: float, steps: int, lr: float, C: float, sigma: float, seed: int) -> float:
     g = torch.Generator().manual_seed(seed)
     n, q = len(d["y"]), B / len(d["y"])
@@ -89,7 +94,7 @@ def simulate(d, method: str, B: float, steps: int, lr: float, C: float, sigma: f
                 p.sub_(alpha * mm / (vv.sqrt() + 1e-8))
         else:  # dpzero: one Gaussian direction, clipped directional derivatives, one scalar noise
             uw, ub = torch.randn(w.shape, generator=g), torch.randn(b.shape, generator=g)
-            deriv = (r * (x @ uw.T + ub)).sum(1)
+            deriv = directional_derivatives(r, x, uw, ub)
             est = (deriv.clamp(-C, C).sum() + sigma * C * float(torch.randn(1, generator=g))) / (q * n)
             w.sub_(lr * est * uw)
             b.sub_(lr * est * ub)
