@@ -65,7 +65,7 @@ def _recipe(args, algorithm: str) -> dict:
          "objective": {"name": "causal_lm_prompt",
                        "model": {"path": args.model, "init": "random", "dtype": args.dtype,
                                  "max_length": args.max_length, "tokenizer": "byte"},
-                       "data": {"path": _data_dir(args), "k_per_class": 48, "max_test": 8}},
+                       "data": {"path": _data_dir(args), "labels": ["0", "1"], "k_per_class": 48, "max_test": 8}},
          "sampler": {"name": "shuffle", "batch_size": args.batch},
          "privatizer": {"name": "gaussian", "clip": 10.0, "noise_multiplier": 1.0},
          "train": {"steps": 1000, "device": args.device, "log_every": 10_000}}
