@@ -33,6 +33,10 @@ TRAINABLE = {
     "head": {"include": ["^head\\."]},
     # head, LayerNorms and biases (31k of 22.7M); the pooler is unused by mean pooling
     "bitfit": {"include": ["^head\\.", "LayerNorm", "\\.bias$"], "exclude": ["pooler"]},
+    # LoRA adapters (model.lora: the query and value projections by default) and the head, without or
+    # with BitFit
+    "lora": {"include": ["lora_", "^head\\."]},
+    "lora+bitfit": {"include": ["lora_", "^head\\.", "LayerNorm", "\\.bias$"], "exclude": ["pooler"]},
     # BitFit and weights DP-GRAPE projects (rank r < 384): the attention outputs, or every block's outputs
     "bitfit+attn_out": {"include": ["^head\\.", "LayerNorm", "\\.bias$", "attention\\.output\\.dense\\.weight"],
                         "exclude": ["pooler"]},

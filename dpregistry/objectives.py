@@ -46,6 +46,28 @@ class Trainable(BaseModel):
         return not any(re.search(p, name) for p in self.exclude)
 
 
+class Lora(BaseModel):
+    """LoRA adapters injected with ``peft`` (``model.lora``): the base weights stay frozen."""
+
+    model_config = ConfigDict(extra="forbid")
+    r: int = Field(default=8, gt=0)
+    alpha: float = Field(default=16.0, gt=0)
+    target_modules: list[str] | None = Field(default=None, description="default: peft's choice for the model type")
+
+
+def inject_lora(model: torch.nn.Module, lora: Lora, seed: int, device, dtype) -> torch.nn.Module:
+    """``model`` with LoRA adapters (B = 0, so the model computes what it did; A from ``seed``), in
+    the model's dtype and on its device."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError:
+        raise UserError("model.lora needs the package peft (pip install peft)", key="model.lora") from None
+    conf = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=lora.target_modules)
+    with seeded(seed):
+        model = inject_adapter_in_model(conf, model)
+    return model.to(device, dtype)  # adapters are created in fp32
+
+
 @contextmanager
 def seeded(seed: int):
     """Run initialisation under a fixed torch seed without touching the global stream."""

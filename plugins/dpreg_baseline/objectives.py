@@ -13,7 +13,7 @@ from dpregistry import StageParams, UserError
 from dpregistry.data import Encoded, TextData, load_tabular, user_ids
 from dpregistry.hf import quiet
 from dpregistry.progress import track
-from dpregistry.objectives import DTYPES, TorchObjective, Trainable, require_memory, seeded
+from dpregistry.objectives import DTYPES, Lora, TorchObjective, Trainable, inject_lora, require_memory, seeded
 from dpregistry.stages import Objective
 from dpregistry.users import UserIds
 
@@ -114,12 +114,17 @@ class HFModel(_Sub):
     head_init: Literal["random", "label_descriptions"] = "random"
     label_descriptions: list[str] | None = None
     head_scale: float = Field(default=20.0, gt=0, description="logit scale of a label-description head")
+    lora: Lora | None = Field(default=None, description="LoRA adapters in the encoder (mean or cls pooling); "
+                                                        "they and the head train unless trainable says otherwise")
 
     @model_validator(mode="after")
     def _descriptions_need_a_linear_head(self):
         if self.pooling == "transformers" and self.head_init == "label_descriptions":
             raise ValueError("head_init: label_descriptions needs pooling: mean or cls (its head reads normalised "
                              "features, which a transformers sequence-classification head does not)")
+        if self.pooling == "transformers" and self.lora is not None:
+            raise ValueError("lora needs pooling: mean or cls (adapters in a transformers sequence classifier are "
+                             "not supported)")
         return self
 
 
@@ -127,6 +132,12 @@ class HFTextParams(StageParams):
     model: HFModel = Field(default_factory=HFModel)
     data: TextData = Field(default_factory=TextData)
     trainable: Trainable = Field(default_factory=Trainable)
+
+    @model_validator(mode="after")
+    def _lora_trains_adapters_and_head(self):
+        if self.model.lora is not None and not self.trainable.include:
+            self.trainable = Trainable(include=["lora_", r"^head\."], exclude=self.trainable.exclude)
+        return self
 
 
 class Encoder(nn.Module):
@@ -183,6 +194,8 @@ class HFTextClassification(TorchObjective):
                     enc = AutoModel.from_pretrained(mdir, dtype=dtype)
                 else:
                     enc = AutoModel.from_config(AutoConfig.from_pretrained(mdir), dtype=dtype)
+                if p.model.lora is not None:
+                    enc = inject_lora(enc, p.model.lora, ctx.rng.seed("lora_init", 0), ctx.device, dtype)
                 self.model = Encoder(enc, len(self.label_names), p.model.pooling).to(ctx.device, dtype)
         # token ids per batch, from the memory-mapped rows (a large data set is never tokenised whole)
         self.train_tok = Encoded(train, self._tokenize)

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dpregistry import StageParams, UserError
 from dpregistry.data import Encoded, TextData, user_ids
 from dpregistry.hf import quiet
-from dpregistry.objectives import DTYPES, TorchObjective, Trainable, seeded
+from dpregistry.objectives import DTYPES, Lora, TorchObjective, Trainable, inject_lora, seeded
 from dpregistry.progress import track
 from dpregistry.users import UserIds
 
@@ -54,12 +54,6 @@ class _Sub(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class LoraSection(_Sub):
-    r: int = Field(default=8, gt=0)
-    alpha: float = Field(default=16.0, gt=0)
-    target_modules: list[str] | None = Field(default=None, description="default: peft's choice for the model type")
-
-
 class PromptModel(_Sub):
     path: str = Field(default="opt-125m", description="folder, hub id (if downloaded) or a shipped config name")
     init: Literal["pretrained", "random"] = "pretrained"
@@ -67,7 +61,7 @@ class PromptModel(_Sub):
     max_length: int = Field(default=128, gt=1)
     tokenizer: str | None = Field(default=None, description="tokenizer folder, or 'byte' (default: the model's; "
                                                             "byte-level for random init without one)")
-    lora: LoraSection | None = None
+    lora: Lora | None = None
 
 
 class PromptSection(_Sub):
@@ -249,20 +243,8 @@ class PromptLM(TorchObjective):
             raise UserError(f"cannot load the weights of {m.path!r} ({str(e).splitlines()[0]})"
                             + _random_init_hint(), key="model.path") from None
         if m.lora is not None:
-            lm = self._inject_lora(lm, ctx)
+            lm = inject_lora(lm, m.lora, ctx.rng.seed("lora_init", 0), ctx.device, DTYPES[m.dtype])
         return lm, config, folder
-
-    def _inject_lora(self, lm, ctx):
-        try:
-            from peft import LoraConfig, inject_adapter_in_model
-        except ImportError:
-            raise UserError("model.lora needs the package peft (pip install peft)", key="model.lora") from None
-        lc = self.cfg.model.lora
-        conf = LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=0.0, target_modules=lc.target_modules)
-        with seeded(ctx.rng.seed("lora_init", 0)):
-            lm = inject_adapter_in_model(conf, lm)
-        # adapters are created in fp32; keep them in the model's dtype (and device)
-        return lm.to(ctx.device, DTYPES[self.cfg.model.dtype])
 
     def _tokenizer(self, config, folder):
         m = self.cfg.model
