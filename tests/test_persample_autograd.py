@@ -334,8 +334,8 @@ TWO_PASS_CASES = {
     "roberta-mlm-dp-grape": (lambda: roberta_case(), 6, {"grape": 4}),
     "opt-micro-batches": (opt_case, 6, {"micro": 3}),
     "vit-vmap-fallback": (vit_case, 6, {}),
-    "shared": (shared_case, 8, {}),
-    "shared-dp-grape": (shared_case, 8, {"grape": 4}),
+    "reused-tensors": (shared_case, 8, {}),
+    "reused-tensors-dp-grape": (shared_case, 8, {"grape": 4}),
     "loop": (lambda: loop_case(MAX_CROSS_PIECES + 1), 6, {}),
 }
 

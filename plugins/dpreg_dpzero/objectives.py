@@ -243,7 +243,7 @@ class PromptLM(TorchObjective):
             raise UserError(f"cannot load the weights of {m.path!r} ({str(e).splitlines()[0]})"
                             + _random_init_hint(), key="model.path") from None
         if m.lora is not None:
-            lm = inject_lora(lm, m.lora, ctx.rng.seed("lora_init", 0), ctx.device, DTYPES[m.dtype])
+            lm = inject_lora(lm, m.lora, ctx.rng.seed("lora_init", 0), ctx.device, dtype)
         return lm, config, folder
 
     def _tokenizer(self, config, folder):
