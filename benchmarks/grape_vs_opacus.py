@@ -5,6 +5,9 @@ encoder with a linear head on the first token, and a small ViT (patch 4, 32 px).
 the same model, batch and inputs; the private ones use flat clipping C = 1, noise multiplier 1.0:
 
 * adam          torch.optim.Adam on the mean loss (non-private: the cost to beat)
+* adam_noise    the same plus d Gaussians from dpregistry's default (secure) generator added to the
+                gradient: no clipping, so the least time any DP step with that noise can take
+                (timed only; the printed floor shows when a time target lies below it)
 * dp_adam       dpregistry per_example_grad (hooks: ghost norms + book-keeping) + gaussian + adam
 * dp_adam_2p    the same with ``passes: 2`` (norms in one backward, the clipped sum from a second)
 * dp_grape      dpregistry projected_per_example_grad + gaussian + projected_adam (rank r)
@@ -47,8 +50,9 @@ import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("adam", "dp_adam", "dp_adam_2p", "dp_grape", "dp_grape_e", "opacus_ghost", "opacus_hooks")
-DEFAULT_METHODS = ("adam", "dp_adam", "dp_grape", "opacus_ghost")
+METHODS = ("adam", "adam_noise", "dp_adam", "dp_adam_2p", "dp_grape", "dp_grape_e", "opacus_ghost", "opacus_hooks")
+DEFAULT_METHODS = ("adam", "adam_noise", "dp_adam", "dp_grape", "opacus_ghost")
+TIME_ONLY = {"adam_noise"}
 BATCHES = (8, 16, 32, 64, 128, 256)
 MODELS = {
     # name: (config, sequence length or None, rank, memory budget in MiB)
@@ -184,13 +188,18 @@ def make_step(method: str, model: str, B: int, device: str):
     X = make_x(B, g).to(device)
     y = torch.randint(0, 2, (B,), generator=g).to(device)
     d = sum(p.numel() for p in net.parameters())
-    if method == "adam":
+    if method in ("adam", "adam_noise"):
+        from dpregistry.privacy.secret import CipherStream, new_key
+
         # foreach=False: torch's default multi-tensor Adam holds a temporary per parameter at once,
         # which would flatter every ratio against this baseline
         opt = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=False)
+        noise = CipherStream(new_key()) if method == "adam_noise" else None
 
         def step():
             F.cross_entropy(net(X), y).backward()
+            if noise:
+                noise.add_noise_([p.grad for p in net.parameters()], 1e-6)
             opt.step()
             opt.zero_grad(set_to_none=True)
     elif method.startswith("opacus"):
@@ -301,10 +310,13 @@ def report_times(model: str, B: int, res: dict, say) -> None:
     t = res["times"]
     say(f"  step time, s (median of {len(next(iter(t.values())))} alternating rounds): " +
         ", ".join(f"{m} {statistics.median(v):.3f}" for m, v in t.items()))
-    for num, den, target in TIME_TARGETS + [("dp_adam", "opacus_ghost", None), ("dp_grape", "opacus_ghost", None)]:
+    floor = [("adam_noise", "adam", "(the floor: the noise alone; a DP step cannot be faster)"),
+             ("dp_adam", "adam_noise", "(DP-Adam's cost above the floor)")]
+    for num, den, target in TIME_TARGETS + floor + [("dp_adam", "opacus_ghost", None), ("dp_grape", "opacus_ghost", None)]:
         if num in t and den in t:
             ratios = [a / b for a, b in zip(t[num], t[den])]
-            tail = f"target ≤ {target}: {verdict(statistics.median(ratios), target)}" if target else "(no target)"
+            tail = (f"target ≤ {target}: {verdict(statistics.median(ratios), target)}" if isinstance(target, float)
+                    else target or "(no target)")
             say(f"  time   {num} ÷ {den}: {spread(ratios)}   {tail}")
 
 
@@ -382,7 +394,7 @@ def main() -> None:
         _, T, rank, budget = MODELS[model]
         say(f"\n== {model} (benchmarks/configs/{MODELS[model][0]}){f', sequence {T}' if T else ''}, C = 1, σ = 1, "
             f"Adam, DP-GRAPE rank {rank}")
-        sweep: dict[str, dict[int, dict]] = {m: {} for m in a.methods}
+        sweep: dict[str, dict[int, dict]] = {m: {} for m in a.methods if m not in TIME_ONLY}
         for B in a.batches:
             say(f"\n-- batch {B}")
             if not a.no_time and (a.time_batches is None or B in a.time_batches):
@@ -392,13 +404,13 @@ def main() -> None:
                 else:
                     report_times(model, B, res, say)
             if not a.no_memory:
-                mem = {m: peak(m, model, B, a.device) for m in a.methods}
+                mem = {m: peak(m, model, B, a.device) for m in a.methods if m not in TIME_ONLY}
                 for m, r in mem.items():
                     sweep[m][B] = r
                 report_memory(model, B, mem, say)
         if not a.no_memory:
             say(f"\n-- largest batch in {budget} MiB (measured runs only; {a.search} bisection steps)")
-            best = {m: largest_batch(m, model, budget, sweep[m], a.search, a.device, say) for m in a.methods}
+            best = {m: largest_batch(m, model, budget, sweep[m], a.search, a.device, say) for m in sweep}
             for num, den, target in BATCH_TARGETS:
                 if best.get(num) and best.get(den):
                     ratio = best[num] / best[den]

@@ -160,6 +160,21 @@ class Projector:
         P = self.matrix(X.device, X.dtype)
         return P @ X if self.side == "left" else X @ P.transpose(-1, -2)
 
+    #: elements of W lifted at a time by ``sub_back_`` (whole rows, about 4 MiB of fp32)
+    BLOCK_ELEMENTS = 1 << 20
+
+    @torch.no_grad()
+    def sub_back_(self, W: torch.Tensor, X: torch.Tensor, alpha: float) -> None:
+        """W ← W − α·back(X) in place, a block of W's rows at a time: the lifted step never exists
+        at W's size (for an embedding table that transient was hundreds of MiB). The numbers are
+        ``back(X) * α`` up to the GEMM's summation order; W may have a narrower dtype than X."""
+        P = self.matrix(X.device, X.dtype)
+        # left: back = P·X, W's rows are P's; right: back = X·Pᵀ, W's rows are X's
+        rows_of, other = (P, X) if self.side == "left" else (X, P.transpose(-1, -2))
+        block = max(1, self.BLOCK_ELEMENTS // max(1, W.shape[-1]))
+        for i in range(0, W.shape[0], block):
+            W[i:i + block].sub_((rows_of[i:i + block] @ other).mul_(alpha).to(W.dtype))
+
 
 class ProjectedAggregate(Aggregate):
     """Projected coordinates per layer (``projectors[name]``) plus dense unprojected tensors."""

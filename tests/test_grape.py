@@ -151,6 +151,25 @@ def test_orientation_and_projected_shapes():
     assert upd.state.m["2.weight"].shape == (4096, 8)
 
 
+@pytest.mark.parametrize("shape", [(40, 56), (56, 40)], ids=["left", "right"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_back_projection_updates_the_weight_in_blocks_without_a_weight_sized_transient(shape, dtype, monkeypatch):
+    """W − α·back(X) lands in W a block of rows at a time: the one-shot lift's numbers, and no
+    allocation as large as W (an embedding table's lifted step was hundreds of MiB)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pr = make_projector("gaussian", 5, shape, 4)
+    X = torch.randn(projected_shape(shape, pr.side, 4), generator=torch.Generator().manual_seed(0))
+    W = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    expect = W - (pr.back(X) * 0.3).to(dtype)
+    monkeypatch.setattr(Projector, "BLOCK_ELEMENTS", 3 * shape[1])  # blocks of 3 rows, the last one short
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        pr.sub_back_(W, X, 0.3)
+    torch.testing.assert_close(W, expect, rtol=1e-6, atol=1e-6)  # up to the GEMM's summation order
+    largest = max(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+    assert largest <= max(3 * shape[1], pr.rows * 4) * 4 < W.numel() * 4  # a block of rows, or P itself
+
+
 # ------------------------------------------------------------------------------------------
 # §7.4 the fast path equals materialise-then-project; §7.6 flat clipping in the projected space
 # ------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 from pydantic import Field
 
 from dpregistry import StageParams, UpdateRule
+from dpregistry.moments import sub_ratio_, update_moments_
 from dpregistry.spaces import DENSE, PROJECTED, SEEDED_DIRECTION, acc_dtype
 
 
@@ -84,14 +85,10 @@ class Adam(UpdateRule):
             if k not in s.m:
                 s.m[k] = torch.zeros_like(g)
                 s.v[k] = torch.zeros_like(g)
-            m, v = s.m[k], s.v[k]
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            step = v.sqrt()  # m / (√v + eps) · alpha, the same numbers, in one temporary (not four)
-            step = torch.div(m, step.add_(self.cfg.eps), out=step).mul_(alpha)
+            update_moments_(s.m[k], s.v[k], g, self.cfg.betas)
             if self.cfg.weight_decay:
                 x.mul_(1 - self.cfg.lr * self.cfg.weight_decay)
-            x.sub_(step.to(x.dtype))
+            sub_ratio_(x, s.m[k], s.v[k], self.cfg.eps, alpha)
 
 
 class DirectionalSGDParams(StageParams):

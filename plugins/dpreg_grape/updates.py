@@ -15,6 +15,7 @@ import torch
 from pydantic import Field
 
 from dpregistry import StageParams, UpdateRule, UserError
+from dpregistry.moments import ratio, sub_ratio_, update_moments_
 from dpregistry.spaces import DENSE, PROJECTED, ProjectedAggregate, acc_dtype
 
 from .projection import LayerSelection, side_of
@@ -35,28 +36,28 @@ class AdamMoments:
         self.v.pop(k, None)
         self.t.pop(k, None)
 
-    def direction(self, k: str, g: torch.Tensor, lr: float, betas: tuple[float, float],
-                  eps: float) -> tuple[torch.Tensor, float]:
-        """α_t·M/(√V + φ) for gradient g (Alg. 2 l.1–4 / Alg. 3)."""
-        b1, b2 = betas
+    def moments(self, k: str, g: torch.Tensor, lr: float, betas: tuple[float, float]) -> float:
+        """Updates tensor k's moments with gradient g (Alg. 2 l.1–3) and returns α_t."""
         if k not in self.m:
             self.m[k] = torch.zeros_like(g)
             self.v[k] = torch.zeros_like(g)
             self.t[k] = 0
         self.t[k] += 1
         t = self.t[k]
-        alpha = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
-        m, v = self.m[k], self.v[k]
-        m.mul_(b1).add_(g, alpha=1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        return _adam_ratio(m, v, eps), alpha
+        update_moments_(self.m[k], self.v[k], g, betas)
+        return lr * math.sqrt(1 - betas[1] ** t) / (1 - betas[0] ** t)
 
+    def direction(self, k: str, g: torch.Tensor, lr: float, betas: tuple[float, float],
+                  eps: float) -> tuple[torch.Tensor, float]:
+        """α_t·M/(√V + φ) for gradient g (Alg. 2 l.1–4 / Alg. 3), as (M/(√V + φ), α_t)."""
+        alpha = self.moments(k, g, lr, betas)
+        return ratio(self.m[k], self.v[k], eps), alpha
 
-def _adam_ratio(m: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
-    """M/(√V + φ) in one new tensor (the same numbers as ``m / (v.sqrt() + eps)``, which allocates
-    three: at an embedding table's size that transient is hundreds of MiB)."""
-    out = v.sqrt()
-    return torch.div(m, out.add_(eps), out=out)
+    def step_(self, k: str, x: torch.Tensor, g: torch.Tensor, lr: float, betas: tuple[float, float],
+              eps: float) -> None:
+        """x ← x − α_t·M/(√V + φ) in place, in blocks (an unprojected tensor may be a whole embedding)."""
+        alpha = self.moments(k, g, lr, betas)
+        sub_ratio_(x, self.m[k], self.v[k], eps, alpha)
 
 
 def _released(params, release):
@@ -98,10 +99,11 @@ class ProjectedAdam(UpdateRule):
                 if c.moment_policy == "reset" and s.seen.get(k, pr.seed) != pr.seed:
                     s.reset(k)
                 s.seen[k] = pr.seed
-            step, alpha = s.direction(k, g, c.lr, c.betas, c.eps)
             if pr is not None:
-                step = pr.back(step)
-            x.sub_(step.mul_(alpha).to(x.dtype))  # the numbers of (alpha * step), without a copy
+                step, alpha = s.direction(k, g, c.lr, c.betas, c.eps)
+                pr.sub_back_(x, step, alpha)
+            else:
+                s.step_(k, x, g, c.lr, c.betas, c.eps)
 
 
 class ProjectedSGDParams(StageParams):
@@ -120,8 +122,9 @@ class ProjectedSGD(UpdateRule):
         ctx.undo_displacement()
         for _, x, g, pr in _released(params, release):
             if pr is not None:
-                g = pr.back(g)
-            x.sub_((self.cfg.lr * g).to(x.dtype))
+                pr.sub_back_(x, g, self.cfg.lr)
+            else:
+                x.sub_((self.cfg.lr * g).to(x.dtype))
 
 
 class GaLoreParams(StageParams):
@@ -182,9 +185,9 @@ class GaLoreAdam(UpdateRule):
                 g = P.transpose(0, 1) @ g if left else g @ P
                 step, alpha = s.direction(k, g, c.lr, c.betas, c.eps)
                 step = P @ step if left else step @ P.transpose(0, 1)
+                x.sub_((alpha * step).to(x.dtype))
             else:
-                step, alpha = s.direction(k, g, c.lr, c.betas, c.eps)
-            x.sub_((alpha * step).to(x.dtype))
+                s.step_(k, x, g, c.lr, c.betas, c.eps)
 
 
 UPDATE_RULES = (ProjectedAdam, ProjectedSGD, GaLoreAdam)
