@@ -48,7 +48,10 @@ TRAINABLE = {
 
 
 def long_dev(sst2: Path, out: Path, min_words: int = 10) -> Path:
-    """SST-2's dev rows of at least ``min_words`` words, as a TSV the recipe can read."""
+    """SST-2's dev rows of at least ``min_words`` words, as a TSV the recipe can read (an absolute
+    path: a relative ``data.test`` is read from ``data.path``'s folder)."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
     with open(sst2 / "dev.tsv", encoding="utf-8", newline="") as f, open(out, "w", encoding="utf-8") as g:
         rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         g.write("\t".join(next(rows)) + "\n")

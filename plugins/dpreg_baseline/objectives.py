@@ -251,17 +251,44 @@ class HFTextClassification(TorchObjective):
         self.model.head.bias.zero_()
         self._normalize_features = True
 
+    def _features(self, ids, mask):
+        feats = self.model.pool(ids, mask)
+        return F.normalize(feats, dim=-1) if getattr(self, "_normalize_features", False) else feats
+
     def _logits(self, ids, mask):
         if self.cfg.model.pooling == "transformers":
             return self.model(input_ids=ids, attention_mask=mask).logits
-        if getattr(self, "_normalize_features", False):
-            feats = F.normalize(self.model.pool(ids, mask), dim=-1)
-            return self.model.head(feats)
-        return self.model(ids, mask)
+        return self.model.head(self._features(ids, mask))
+
+    #: when only the head trains, the training set's features are kept if they take at most this
+    FEATURE_CACHE_BYTES = 1 << 30
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        # a frozen encoder maps an example to the same features at every step: encode each once
+        n_bytes = self.n_train * self.model.head.in_features * 4 if self.cfg.model.pooling != "transformers" else 0
+        self._cache_features = bool(n_bytes) and n_bytes <= self.FEATURE_CACHE_BYTES and \
+            all(n.startswith("head.") for n in self._params)
+        self._train_features = None
+
+    @torch.no_grad()
+    def train_features(self, batch_size: int = 128) -> torch.Tensor:
+        """Every training example's head input, encoded once in fixed chunks of the training order
+        (so the numbers never depend on which batch first asked for an example: a resumed run sees
+        the same ones)."""
+        if self._train_features is None:
+            starts = range(0, self.n_train, batch_size)
+            self._train_features = torch.cat([
+                self._features(*self._pad(self.train_tok.take(range(s, min(s + batch_size, self.n_train)))))
+                for s in track(starts, len(starts), "encoding the training set once (only the head trains)")])
+        return self._train_features
 
     def batch_losses(self, indices):
-        ids, mask = self._pad(self.train_tok.take(indices.tolist()))
-        return F.cross_entropy(self._logits(ids, mask).float(), self.y_train[indices], reduction="none")
+        if self._cache_features:
+            logits = self.model.head(self.train_features()[indices])
+        else:
+            logits = self._logits(*self._pad(self.train_tok.take(indices.tolist())))
+        return F.cross_entropy(logits.float(), self.y_train[indices], reduction="none")
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 128):

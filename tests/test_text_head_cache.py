@@ -1,0 +1,63 @@
+"""A frozen encoder is run once over the training set: when only the head of
+``hf_text_classification`` trains, its inputs are encoded once, in fixed chunks, and every step
+reads them (DPZero's head-only recipe went from two encoder passes per step to none)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import dpregistry
+from conftest import SST2_SUBSET, make_run, rewind, write_recipe
+
+RECIPE = {"seed": 0, "algorithm": "dpzero",
+          "objective": {"name": "hf_text_classification", "trainable": {"include": ["^head\\."]}},
+          "model": {"path": "minilm", "max_length": 32, "pooling": "mean", "head_init": "label_descriptions",
+                    "label_descriptions": ["The worst film of the year.", "The best film of the year."]},
+          "data": {"path": str(SST2_SUBSET), "labels": ["0", "1"], "k_per_class": 40, "max_test": 20},
+          "sampler": {"name": "poisson", "batch_size": 16},
+          "estimator": {"name": "zo_two_point", "lambda": 1.0e-3, "direction": "gaussian"},
+          "privatizer": {"name": "gaussian", "clip": 1.0, "noise_multiplier": 1.0},
+          "update": {"name": "directional_sgd", "lr": 0.1}, "accountant": "rdp",
+          "privacy": {"epsilon": 50.0, "delta": 1e-5, "noise": "reproducible"},
+          "train": {"steps": 6, "progress": False, "checkpoint_every": 3}}
+
+
+def encoder_batches(run) -> list[int]:
+    seen = []
+    run.objective.model.encoder.register_forward_hook(lambda m, args, kw, out: seen.append(len(kw["input_ids"])),
+                                                      with_kwargs=True)
+    return seen
+
+
+def test_the_encoder_runs_once_per_training_example_and_the_losses_are_the_encoders(tmp_path):
+    run = make_run(RECIPE, tmp_path)
+    seen = encoder_batches(run)
+    run.train()
+    obj, idx = run.objective, torch.tensor([3, 77, 3, 0])
+    # the training set once (80 < 128: one chunk), then the held-out evaluation(s): 6 steps of 2
+    # evaluations of about 16 examples would have been 12 batches
+    assert seen[0] == obj.n_train == 80 and seen[1:] == [len(obj.test_tok)] * (len(seen) - 1) and len(seen) <= 2
+    with torch.no_grad():
+        cached = obj.batch_losses(idx)
+        logits = obj.model.head(F.normalize(obj.model.pool(*obj._pad(obj.train_tok.take(idx.tolist()))), dim=-1))
+    torch.testing.assert_close(cached, F.cross_entropy(logits, obj.y_train[idx], reduction="none"),
+                               rtol=1e-5, atol=1e-6)  # another padding length: float32 rounding apart
+
+
+def test_an_encoder_that_trains_is_not_cached(tmp_path):
+    run = make_run({**RECIPE, "objective": {**RECIPE["objective"], "trainable": {"include": ["^head\\.", "LayerNorm"]}}},
+                   tmp_path)
+    seen = encoder_batches(run)
+    run.train()
+    assert not run.objective._cache_features and sum(seen) > run.objective.n_train
+
+
+def test_a_resumed_head_only_run_is_bit_identical(tmp_path):
+    recipe = write_recipe(tmp_path, RECIPE)
+    straight = dpregistry.train(recipe, verbose=False, out=tmp_path / "a")
+    dpregistry.train(recipe, verbose=False, out=tmp_path / "b")
+    rewind(tmp_path / "b", 3)
+    resumed = dpregistry.resume(tmp_path / "b", verbose=False)
+    assert resumed.ledger == straight.ledger
+    assert all(torch.equal(straight.run.params[k], resumed.run.params[k]) for k in straight.run.params)
