@@ -38,13 +38,7 @@ def features(recipe: str, data: str, cache: Path) -> dict:
 
     dev = long_dev(Path(data), cache.with_suffix(".dev.tsv"))
     obj = Run(load_recipe(recipe, [f"data.path={data}", f"data.test={dev}"])).prepare().objective
-
-    @torch.no_grad()
-    def pooled(tok):
-        return torch.cat([F.normalize(obj.model.pool(*obj._pad(tok.take(range(s, min(s + 128, len(tok)))))), dim=-1)
-                          for s in range(0, len(tok), 128)])
-
-    d = {"x": pooled(obj.train_tok), "y": obj.y_train, "x_dev": pooled(obj.test_tok), "y_dev": obj.y_test,
+    d = {"x": obj.encode(obj.train_tok), "y": obj.y_train, "x_dev": obj.encode(obj.test_tok), "y_dev": obj.y_test,
          "w": obj.model.head.weight.detach().clone(), "b": obj.model.head.bias.detach().clone()}
     torch.save(d, cache)
     return d

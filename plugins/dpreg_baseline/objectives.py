@@ -272,15 +272,17 @@ class HFTextClassification(TorchObjective):
         self._train_features = None
 
     @torch.no_grad()
-    def train_features(self, batch_size: int = 128) -> torch.Tensor:
-        """Every training example's head input, encoded once in fixed chunks of the training order
-        (so the numbers never depend on which batch first asked for an example: a resumed run sees
-        the same ones)."""
+    def encode(self, rows: Encoded, batch_size: int = 128) -> torch.Tensor:
+        """The head's inputs for ``rows`` (``train_tok``, ``test_tok``), in fixed chunks of their
+        order: the numbers never depend on which batch first asked for a row."""
+        starts = range(0, len(rows), batch_size)
+        return torch.cat([self._features(*self._pad(rows.take(range(s, min(s + batch_size, len(rows))))))
+                          for s in track(starts, len(starts), "encoding the texts once (only the head trains)")])
+
+    def train_features(self) -> torch.Tensor:
+        """Every training example's head input, encoded once (a resumed run encodes the same)."""
         if self._train_features is None:
-            starts = range(0, self.n_train, batch_size)
-            self._train_features = torch.cat([
-                self._features(*self._pad(self.train_tok.take(range(s, min(s + batch_size, self.n_train)))))
-                for s in track(starts, len(starts), "encoding the training set once (only the head trains)")])
+            self._train_features = self.encode(self.train_tok)
         return self._train_features
 
     def batch_losses(self, indices):
