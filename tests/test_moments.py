@@ -1,4 +1,5 @@
-"""The Adam arithmetic that the Adam-form update rules share (dpregistry.moments)."""
+"""The Adam arithmetic that the Adam-form update rules share (dpregistry.moments), and Adam's
+per-parameter learning rates."""
 
 from __future__ import annotations
 
@@ -47,3 +48,27 @@ def test_moments_are_adams():
         moments.update_moments_(m, v, g, (0.8, 0.9))
     torch.testing.assert_close(m, opt.state[p]["exp_avg"])
     torch.testing.assert_close(v, opt.state[p]["exp_avg_sq"])
+
+
+def test_adam_lr_scale_gives_matching_parameters_their_own_learning_rate():
+    """update.lr_scale {regex: factor}: a matching parameter steps exactly as Adam at lr × factor,
+    the others as at lr (the first matching pattern wins)."""
+    from dpregistry.context import Context
+    from dpregistry.spaces import DenseAggregate
+    from dpregistry.stages import Release
+    from dpreg_baseline.updates import Adam
+
+    def stepped(cfg):
+        params = {"head.weight": torch.ones(3), "encoder.bias": torch.ones(3), "head.bias": torch.ones(2)}
+        upd = Adam(Adam.Params(**cfg))
+        ctx = Context.detached(params)
+        upd.setup(ctx)
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            grads = {k: torch.randn(p.shape, generator=g) for k, p in params.items()}
+            upd.apply(ctx.params, Release(DenseAggregate(grads), []), ctx)
+        return params
+
+    scaled = stepped({"lr": 1e-2, "lr_scale": {r"^head\.weight": 10.0, r"^head\.": 3.0}})
+    for name, lr in (("head.weight", 1e-2 * 10.0), ("head.bias", 1e-2 * 3.0), ("encoder.bias", 1e-2)):
+        assert torch.equal(scaled[name], stepped({"lr": lr})[name]), name

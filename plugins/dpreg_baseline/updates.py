@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
 from pydantic import Field
@@ -53,6 +55,12 @@ class AdamParams(StageParams):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(default=1e-8, gt=0)
     weight_decay: float = Field(default=0.0, ge=0, description="decoupled (AdamW)")
+    lr_scale: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict, description="{regex: factor}: a parameter whose name matches takes lr × factor (the "
+                                          "first match; post-processing, so the privacy is unchanged)")
+
+    def lr_of(self, name: str) -> float:
+        return self.lr * next((f for pattern, f in self.lr_scale.items() if re.search(pattern, name)), 1.0)
 
 
 class Adam(UpdateRule):
@@ -79,16 +87,16 @@ class Adam(UpdateRule):
         b1, b2 = self.cfg.betas
         s = self.state
         s.t += 1
-        alpha = self.cfg.lr * math.sqrt(1 - b2 ** s.t) / (1 - b1 ** s.t)
         for k, x in params.items():
             g = grads[k].to(acc_dtype(x.dtype))
             if k not in s.m:
                 s.m[k] = torch.zeros_like(g)
                 s.v[k] = torch.zeros_like(g)
             update_moments_(s.m[k], s.v[k], g, self.cfg.betas)
+            lr = self.cfg.lr_of(k)
             if self.cfg.weight_decay:
-                x.mul_(1 - self.cfg.lr * self.cfg.weight_decay)
-            sub_ratio_(x, s.m[k], s.v[k], self.cfg.eps, alpha)
+                x.mul_(1 - lr * self.cfg.weight_decay)
+            sub_ratio_(x, s.m[k], s.v[k], self.cfg.eps, lr * math.sqrt(1 - b2 ** s.t) / (1 - b1 ** s.t))
 
 
 class DirectionalSGDParams(StageParams):
