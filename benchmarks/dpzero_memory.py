@@ -18,7 +18,7 @@ and torch runtime. Large tensors are mmap'ed by the allocator, so freed memory l
 the counter sees true peaks. On CUDA (``--device cuda``) torch.cuda.max_memory_allocated is used.
 
 Usage: python benchmarks/dpzero_memory.py [--model opt-125m] [--batch 16] [--max-length 64]
-       [--dtype float32] [--device cpu] [--data DIR] [--skip-dp-adam]
+       [--dtype float32] [--device cpu] [--data DIR] [--skip-dp-adam] [--direction rademacher]
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def _recipe(args, algorithm: str) -> dict:
         r["estimator"] = {"name": "per_example_grad", "backend": "hooks"}
         r["update"] = {"name": "adam", "lr": 1e-5}
     else:
+        r["estimator"] = {"name": "zo_two_point", "direction": args.direction}
         r["update"] = {"name": "directional_sgd", "lr": 1e-5}
     return r
 
@@ -133,7 +134,7 @@ def child(args) -> dict:
         sweeps = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            Direction(12345).add_(list(run.params.values()), 0.0)
+            Direction(12345, args.direction).add_(list(run.params.values()), 0.0)
             if cuda:
                 torch.cuda.synchronize()
             sweeps.append(time.perf_counter() - t0)
@@ -164,6 +165,8 @@ def main(argv=None):
     ap.add_argument("--data", default=None, help="a folder with train.tsv/test.tsv (default: built-in sentences)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-dp-adam", action="store_true")
+    ap.add_argument("--direction", default="gaussian", choices=["gaussian", "rademacher"],
+                    help="DPZero's directions (gaussian: the default; rademacher: the cheaper option)")
     ap.add_argument("--measure", choices=["forward", "dpzero", "dp_adam"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.measure:
@@ -174,7 +177,7 @@ def main(argv=None):
     for m in ["forward", "dpzero"] + ([] if args.skip_dp_adam else ["dp_adam"]):
         cmd = [sys.executable, __file__, "--measure", m, "--model", args.model, "--batch", str(args.batch),
                "--max-length", str(args.max_length), "--dtype", args.dtype, "--device", args.device,
-               "--repeats", str(args.repeats)] + (["--data", args.data] if args.data else [])
+               "--repeats", str(args.repeats), "--direction", args.direction] + (["--data", args.data] if args.data else [])
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
@@ -195,7 +198,7 @@ def main(argv=None):
     print(f"one parameter sweep ÷ one forward          : {sweep:.3f}   (target < 0.1: {_verdict(sweep, 0.1)}; a step "
           f"is two forwards and three sweeps)")
     print(f"DPZero step time ÷ (2 forwards + 3 sweeps)  : {z['seconds'] / limit:.3f}   (1.0 is the physical limit of "
-          f"the algorithm; a sweep is Gaussian draws, {torch_threads()} threads)")
+          f"the algorithm; a sweep is {args.direction} draws, {torch_threads()} threads)")
     if "dp_adam" in results:
         a = results["dp_adam"]
         print(f"DPZero step peak ÷ DP-Adam step peak       : {z['peak_bytes'] / a['peak_bytes']:.3f}   "

@@ -172,7 +172,7 @@ def test_hook_gradients_match_torch_func_per_example_gradients():
         assert torch.allclose(agg.tensors[k], torch.einsum("b,b...->...", w, g), rtol=1e-9, atol=1e-12), k
 
 
-@pytest.mark.parametrize("distribution", ["gaussian", "sphere"])
+@pytest.mark.parametrize("distribution", ["gaussian", "sphere", "rademacher"])
 def test_directions_do_not_depend_on_the_thread_count(distribution):
     """A sweep draws its chunks on a thread pool; u must be the same bits with one thread, and
     add_ (the in-place sweep), dense and dot must all see that one u."""

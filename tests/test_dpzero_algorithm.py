@@ -81,6 +81,50 @@ def test_direction_moments_monte_carlo():
     assert all(torch.equal(p, q) for p, q in zip(moved, u1))
 
 
+def test_rademacher_direction_moments_and_bits():
+    """Rademacher u (an option): entries exactly ±1, so ‖u‖² = d; E[uuᵀ] = I, E[u_i²u_j²] = 1,
+    E[(uᵀa)u] = a, E[(uᵀa)²] = ‖a‖² and the sub-Gaussian tail 2·exp(−C²/(2‖a‖²)) (d = 10, 20,000
+    seeds); over one long u the signs are balanced and neighbours uncorrelated (the 32 signs of a
+    word are its bits)."""
+    d, N = 10, 20_000
+    x = torch.zeros(d, dtype=torch.float64)
+    U = torch.stack([Direction(1000 + k, "rademacher").dense([x])[0] for k in range(N)])
+    assert set(U.unique().tolist()) == {-1.0, 1.0} and torch.equal(U.pow(2).sum(1), torch.full((N,), float(d),
+                                                                                                  dtype=torch.float64))
+    assert float(((U.T @ U) / N - torch.eye(d, dtype=torch.float64)).abs().max()) < 0.04
+    a = torch.linspace(-1.0, 2.0, d, dtype=torch.float64)
+    proj = U @ a
+    assert float((proj.unsqueeze(1) * U).mean(0).sub(a).abs().max()) < 0.06          # E[(uᵀa)u] = a
+    assert float(proj.pow(2).mean()) == pytest.approx(float(a.pow(2).sum()), rel=0.03)
+    for C in (3.0, 6.0, 9.0):
+        assert float((proj.abs() >= C).double().mean()) <= 2 * math.exp(-C ** 2 / (2 * float(a.pow(2).sum())))
+    long = Direction(5, "rademacher").dense([torch.zeros(1 << 21)])[0].double()     # two chunks
+    n = long.numel()
+    assert abs(float(long.mean())) < 5 / math.sqrt(n)
+    for lag in (1, 31, 32, 33):  # within a word, across words
+        assert abs(float((long[:-lag] * long[lag:]).mean())) < 5 / math.sqrt(n)
+    half = 1 << 20
+    assert abs(float((long[:half] * long[half:]).mean())) < 5 / math.sqrt(half)       # chunk 0 against chunk 1
+
+
+def test_dpzero_with_rademacher_directions_converges_as_with_gaussian(tmp_path):
+    """On the quadratic, noiseless and unclipped, both directions estimate the gradient without bias
+    (E[(uᵀg)u] = g): over 300 steps the training gradient ‖A(x − x̄)‖ falls by the same order."""
+    grad = {}
+    for direction in ("gaussian", "rademacher"):
+        (tmp_path / direction).mkdir()
+        run = make_run(quad_recipe("dpzero", dim=20, n=256, steps=300, lr=0.05, clip=math.inf, direction=direction,
+                                   sampler={"name": "shuffle", "batch_size": 32}), tmp_path / direction)
+        obj = run.objective
+        start_away_from_zero(run)
+        norm = lambda: float((obj.a * (obj.x - obj.data.mean(0))).norm())  # noqa: E731
+        before = norm()
+        run.train()
+        grad[direction] = norm() / before
+    assert grad["gaussian"] < 0.2 and grad["rademacher"] < 0.2, grad
+    assert 0.2 < grad["rademacher"] / grad["gaussian"] < 5, grad
+
+
 # ------------------------------------------------------------------------------------------
 # §8 D: estimator
 # ------------------------------------------------------------------------------------------

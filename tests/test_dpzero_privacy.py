@@ -182,7 +182,7 @@ def test_rdp_multipliers_match_the_dpzero_code(tmp_path, n, eps, m):
 def test_calibration_ignores_direction_and_dimension(tmp_path, accountant):
     zs = set()
     for dim in (3, 50):
-        for direction in ("sphere", "gaussian"):
+        for direction in ("sphere", "gaussian", "rademacher"):
             sub = tmp_path / f"{dim}{direction}"
             sub.mkdir()
             run = _quadratic(sub, "dpzero", n=2000, dim=dim, steps=200, clip=1.0, epsilon=2.0, delta=1e-5,

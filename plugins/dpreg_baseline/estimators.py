@@ -86,8 +86,10 @@ class PerExampleGrad(Estimator):
 
 class ZOParams(StageParams):
     smoothing: float = Field(default=1e-3, gt=0, alias="lambda", description="λ, the perturbation size")
-    direction: Literal["gaussian", "sphere"] = Field(
-        default="gaussian", description="u ~ N(0, I) (practice) or uniform on the sphere of radius √d (theory)")
+    direction: Literal["gaussian", "sphere", "rademacher"] = Field(
+        default="gaussian", description="u ~ N(0, I) (practice), uniform on the sphere of radius √d (theory), or "
+                                        "entries ±1 (an option: ‖u‖² = d as on the sphere, several times cheaper "
+                                        "parameter sweeps; dpregistry.directions gives its moments)")
 
 
 class ZOTwoPoint(Estimator):

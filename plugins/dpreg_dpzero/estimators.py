@@ -24,8 +24,9 @@ from dpregistry.zeroth_order import central_differences
 
 class ZOVectorParams(StageParams):
     smoothing: float = Field(default=1e-3, gt=0, alias="lambda", description="λ, the perturbation size")
-    direction: Literal["gaussian", "sphere"] = Field(
-        default="sphere", description="u uniform on the sphere of radius √d (Alg. 1) or u ~ N(0, I)")
+    direction: Literal["gaussian", "sphere", "rademacher"] = Field(
+        default="sphere", description="u uniform on the sphere of radius √d (Alg. 1), u ~ N(0, I), or u with "
+                                      "entries ±1 (an option: ‖u‖² = d as on the sphere, cheaper sweeps)")
     directions: int = Field(default=1, ge=1, description="m directions per step; the estimate averages them")
 
 
