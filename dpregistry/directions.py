@@ -28,7 +28,7 @@ DISTRIBUTIONS = ("gaussian", "sphere", "rademacher")
 _BITS = 32  # Rademacher signs per random int32 word (uniform on its whole range: 32 uniform bits)
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (threads, the pool)
-_scratch = threading.local()  # one reused chunk buffer per thread and dtype: a sweep allocates nothing
+_scratch = threading.local()  # one reused chunk buffer per thread and dtype: a sweep allocates no chunk
 
 
 def _forget_pool() -> None:  # a forked child has none of its parent's threads

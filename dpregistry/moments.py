@@ -8,10 +8,17 @@ size (for an embedding table that transient was hundreds of MiB).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 #: elements per block of ``sub_ratio_`` (4 MiB of fp32)
 BLOCK = 1 << 20
+
+
+def step_size(lr: float, betas: tuple[float, float], t: int) -> float:
+    """α_t = lr·√(1−β2^t)/(1−β1^t): Adam's bias correction folded into the step (Alg. 3)."""
+    return lr * math.sqrt(1 - betas[1] ** t) / (1 - betas[0] ** t)
 
 
 def update_moments_(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, betas: tuple[float, float]) -> None:

@@ -57,6 +57,7 @@ def test_adam_lr_scale_gives_matching_parameters_their_own_learning_rate():
     from dpregistry.spaces import DenseAggregate
     from dpregistry.stages import Release
     from dpreg_baseline.updates import Adam
+    from dpregistry import UserError
 
     def stepped(cfg):
         params = {"head.weight": torch.ones(3), "encoder.bias": torch.ones(3), "head.bias": torch.ones(2)}
@@ -69,6 +70,11 @@ def test_adam_lr_scale_gives_matching_parameters_their_own_learning_rate():
             upd.apply(ctx.params, Release(DenseAggregate(grads), []), ctx)
         return params
 
-    scaled = stepped({"lr": 1e-2, "lr_scale": {r"^head\.weight": 10.0, r"^head\.": 3.0}})
-    for name, lr in (("head.weight", 1e-2 * 10.0), ("head.bias", 1e-2 * 3.0), ("encoder.bias", 1e-2)):
-        assert torch.equal(scaled[name], stepped({"lr": lr})[name]), name
+    for decay in (0.0, 0.1):  # decoupled weight decay scales with the parameter's own lr
+        scaled = stepped({"lr": 1e-2, "weight_decay": decay, "lr_scale": {r"^head\.weight": 10.0, r"^head\.": 3.0}})
+        for name, lr in (("head.weight", 1e-2 * 10.0), ("head.bias", 1e-2 * 3.0), ("encoder.bias", 1e-2)):
+            assert torch.equal(scaled[name], stepped({"lr": lr, "weight_decay": decay})[name]), (name, decay)
+    with pytest.raises(UserError, match="matches no trainable parameter"):  # a typo is refused before step 1
+        stepped({"lr": 1e-2, "lr_scale": {r"^haed\.": 3.0}})
+    with pytest.raises(ValueError, match="not a regular expression"):
+        Adam.Params(lr=1e-2, lr_scale={"head(": 3.0})

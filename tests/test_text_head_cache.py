@@ -4,11 +4,13 @@ reads them (DPZero's head-only recipe went from two encoder passes per step to n
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import dpregistry
 from conftest import SST2_SUBSET, make_run, rewind, write_recipe
+from dpregistry.persample import GradSampler
 
 RECIPE = {"seed": 0, "algorithm": "dpzero",
           "objective": {"name": "hf_text_classification", "trainable": {"include": ["^head\\."]}},
@@ -45,12 +47,33 @@ def test_the_encoder_runs_once_per_training_example_and_the_losses_are_the_encod
                                rtol=1e-5, atol=1e-6)  # another padding length: float32 rounding apart
 
 
-def test_an_encoder_that_trains_is_not_cached(tmp_path):
-    run = make_run({**RECIPE, "objective": {**RECIPE["objective"], "trainable": {"include": ["^head\\.", "LayerNorm"]}}},
-                   tmp_path)
+@pytest.mark.parametrize("objective", [{"trainable": {"include": ["^head\\.", "LayerNorm"]}}, {"cache_features": False}],
+                         ids=["encoder-trains", "switched-off"])
+def test_an_encoder_that_trains_or_a_cache_switched_off_is_not_cached(objective, tmp_path):
+    run = make_run({**RECIPE, "objective": {**RECIPE["objective"], **objective}}, tmp_path)
     seen = encoder_batches(run)
     run.train()
     assert not run.objective._cache_features and sum(seen) > run.objective.n_train
+
+
+def test_per_example_norms_on_cached_features_equal_one_backward_per_example(tmp_path):
+    """DP-Adam's hooks see the head's input from the cache: its per-example norms are those of one
+    backward per example through the encoder."""
+    run = make_run({**RECIPE, "algorithm": "dp_adam", "estimator": {"name": "per_example_grad", "backend": "hooks"},
+                    "privatizer": {"name": "gaussian", "clip": 1.0, "noise_multiplier": 1.0},
+                    "update": {"name": "adam", "lr": 1e-2}}, tmp_path)
+    run.train()
+    obj, params, idx = run.objective, run.params, torch.arange(6)
+    assert obj._cache_features and set(params) == {"head.weight", "head.bias"}
+    ref = []
+    for i in idx.tolist():
+        logits = obj._logits(*obj._pad(obj.train_tok.take([i])))  # through the encoder, no cache
+        grads = torch.autograd.grad(F.cross_entropy(logits, obj.y_train[[i]]), list(params.values()))
+        ref.append(torch.sqrt(sum(g.double().pow(2).sum() for g in grads)))
+    gs = GradSampler(obj.module(), params)
+    with torch.enable_grad(), gs.capture(len(idx)):
+        losses = obj.batch_losses(idx)
+    torch.testing.assert_close(gs.contribution(losses).norms().double(), torch.stack(ref), rtol=2e-4, atol=1e-6)
 
 
 def test_a_resumed_head_only_run_is_bit_identical(tmp_path):

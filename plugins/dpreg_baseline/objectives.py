@@ -132,6 +132,8 @@ class HFTextParams(StageParams):
     model: HFModel = Field(default_factory=HFModel)
     data: TextData = Field(default_factory=TextData)
     trainable: Trainable = Field(default_factory=Trainable)
+    cache_features: bool = Field(default=True, description="when only the head trains, encode the training set "
+                                                           "once (up to 1 GiB of features) instead of at every step")
 
     @model_validator(mode="after")
     def _lora_trains_adapters_and_head(self):
@@ -267,8 +269,8 @@ class HFTextClassification(TorchObjective):
         super().setup(ctx)
         # a frozen encoder maps an example to the same features at every step: encode each once
         n_bytes = self.n_train * self.model.head.in_features * 4 if self.cfg.model.pooling != "transformers" else 0
-        self._cache_features = bool(n_bytes) and n_bytes <= self.FEATURE_CACHE_BYTES and \
-            all(n.startswith("head.") for n in self._params)
+        self._cache_features = self.cfg.cache_features and bool(n_bytes) and n_bytes <= self.FEATURE_CACHE_BYTES \
+            and all(n.startswith("head.") for n in self._params)
         self._train_features = None
 
     @torch.no_grad()

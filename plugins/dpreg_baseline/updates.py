@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Annotated
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from dpregistry import StageParams, UpdateRule
-from dpregistry.moments import sub_ratio_, update_moments_
+from dpregistry import StageParams, UpdateRule, UserError
+from dpregistry.moments import step_size, sub_ratio_, update_moments_
 from dpregistry.spaces import DENSE, PROJECTED, SEEDED_DIRECTION, acc_dtype
 
 
@@ -59,6 +58,16 @@ class AdamParams(StageParams):
         default_factory=dict, description="{regex: factor}: a parameter whose name matches takes lr × factor (the "
                                           "first match; post-processing, so the privacy is unchanged)")
 
+    @field_validator("lr_scale")
+    @classmethod
+    def _patterns_compile(cls, v):
+        for pattern in v:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"{pattern!r} is not a regular expression: {e}") from None
+        return v
+
     def lr_of(self, name: str) -> float:
         return self.lr * next((f for pattern, f in self.lr_scale.items() if re.search(pattern, name)), 1.0)
 
@@ -80,11 +89,15 @@ class Adam(UpdateRule):
         m: dict[str, torch.Tensor] = field(default_factory=dict)  # first moments, by parameter
         v: dict[str, torch.Tensor] = field(default_factory=dict)  # second moments
 
+    def setup(self, ctx):
+        for pattern in self.cfg.lr_scale:  # a typo would silently leave its parameters at lr
+            if not any(re.search(pattern, name) for name in ctx.params):
+                raise UserError(f"{pattern!r} matches no trainable parameter", key="update.lr_scale")
+
     @torch.no_grad()
     def apply(self, params, release, ctx):
         ctx.undo_displacement()
         grads = release.value.lift(params)
-        b1, b2 = self.cfg.betas
         s = self.state
         s.t += 1
         for k, x in params.items():
@@ -96,7 +109,7 @@ class Adam(UpdateRule):
             lr = self.cfg.lr_of(k)
             if self.cfg.weight_decay:
                 x.mul_(1 - lr * self.cfg.weight_decay)
-            sub_ratio_(x, s.m[k], s.v[k], self.cfg.eps, lr * math.sqrt(1 - b2 ** s.t) / (1 - b1 ** s.t))
+            sub_ratio_(x, s.m[k], s.v[k], self.cfg.eps, step_size(lr, self.cfg.betas, s.t))
 
 
 class DirectionalSGDParams(StageParams):

@@ -7,7 +7,6 @@ projector a step equals dpreg_baseline's ``adam`` (Alg. 3) bit for bit.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,7 +14,7 @@ import torch
 from pydantic import Field
 
 from dpregistry import StageParams, UpdateRule, UserError
-from dpregistry.moments import ratio, sub_ratio_, update_moments_
+from dpregistry.moments import ratio, step_size, sub_ratio_, update_moments_
 from dpregistry.spaces import DENSE, PROJECTED, ProjectedAggregate, acc_dtype
 
 from .projection import LayerSelection, side_of
@@ -45,7 +44,7 @@ class AdamMoments:
         self.t[k] += 1
         t = self.t[k]
         update_moments_(self.m[k], self.v[k], g, betas)
-        return lr * math.sqrt(1 - betas[1] ** t) / (1 - betas[0] ** t)
+        return step_size(lr, betas, t)
 
     def direction(self, k: str, g: torch.Tensor, lr: float, betas: tuple[float, float],
                   eps: float) -> tuple[torch.Tensor, float]:
