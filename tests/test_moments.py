@@ -64,6 +64,7 @@ def test_adam_lr_scale_gives_matching_parameters_their_own_learning_rate():
         upd = Adam(Adam.Params(**cfg))
         ctx = Context.detached(params)
         upd.setup(ctx)
+        upd.validate(ctx)
         for seed in range(3):
             g = torch.Generator().manual_seed(seed)
             grads = {k: torch.randn(p.shape, generator=g) for k, p in params.items()}

@@ -89,7 +89,7 @@ class Adam(UpdateRule):
         m: dict[str, torch.Tensor] = field(default_factory=dict)  # first moments, by parameter
         v: dict[str, torch.Tensor] = field(default_factory=dict)  # second moments
 
-    def setup(self, ctx):
+    def validate(self, ctx):
         for pattern in self.cfg.lr_scale:  # a typo would silently leave its parameters at lr
             if not any(re.search(pattern, name) for name in ctx.params):
                 raise UserError(f"{pattern!r} matches no trainable parameter", key="update.lr_scale")
