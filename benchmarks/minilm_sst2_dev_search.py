@@ -151,6 +151,7 @@ def main() -> None:
     import torch
 
     import dpregistry
+    from dpregistry.api import load_recipe
 
     torch.set_num_threads(a.threads)
     out = Path(a.out)
@@ -167,13 +168,16 @@ def main() -> None:
             continue
         t0 = time.time()
         sets = [*fixed, *settings(combo), f"seed={seed}"]
-        if a.fix_sigma:
+        target = None
+        if a.fix_sigma:  # the noise PLD calibrates to the budget; the run then accounts with RDP, looser
+            target = load_recipe(a.recipe, sets).data["privacy"]["epsilon"]
             sets += [f"privatizer.noise_multiplier={pld_sigma(sets, a.recipe)}", "accountant=rdp",
                      "privacy.epsilon=null"]
         res = dpregistry.train(a.recipe, set=sets, verbose=False)
         clipped = [r["clipped_fraction"] for r in res.history if "clipped_fraction" in r]
+        eps = {"epsilon": target, "epsilon_rdp_bound": res.epsilon} if a.fix_sigma else {"epsilon": res.epsilon}
         row = {"recipe": a.recipe, "settings": list(combo), "fixed": a.set, "seed": seed,
-               "noise_multiplier": res.summary.get("noise_multiplier"), "epsilon": res.epsilon,
+               "noise_multiplier": res.summary.get("noise_multiplier"), **eps,
                "clipped_fraction": sum(clipped) / max(len(clipped), 1), "dev_accuracy": res.metrics["accuracy"],
                "dev_loss": res.metrics["loss"], "dev_rows": a.max_dev or "all long", "sigma": "pld, set explicitly" if a.fix_sigma else "in run", "seconds": time.time() - t0}
         print(json.dumps(row), flush=True)
