@@ -311,14 +311,17 @@ def report_times(model: str, B: int, res: dict, say) -> None:
     t = res["times"]
     say(f"  step time, s (median of {len(next(iter(t.values())))} alternating rounds): " +
         ", ".join(f"{m} {statistics.median(v):.3f}" for m, v in t.items()))
-    noise = [("adam_noise", "adam", "(Adam plus the noise alone: what the d Gaussians cost)"),
-             ("dp_adam", "adam_noise", "(DP-Adam against Adam plus the noise)")]
-    for num, den, target in TIME_TARGETS + noise + [("dp_adam", "opacus_ghost", None), ("dp_grape", "opacus_ghost", None)]:
+    def ratio(num, den, tail):  # tail: the verdict for a target, or what the ratio shows
         if num in t and den in t:
             ratios = [a / b for a, b in zip(t[num], t[den])]
-            tail = (f"target ≤ {target}: {verdict(statistics.median(ratios), target)}" if isinstance(target, float)
-                    else target or "(no target)")
-            say(f"  time   {num} ÷ {den}: {spread(ratios)}   {tail}")
+            say(f"  time   {num} ÷ {den}: {spread(ratios)}   {tail(statistics.median(ratios))}")
+
+    for num, den, target in TIME_TARGETS:
+        ratio(num, den, lambda r: f"target ≤ {target}: {verdict(r, target)}")
+    for num, den, what in [("adam_noise", "adam", "(Adam plus the noise alone: what the d Gaussians cost)"),
+                           ("dp_adam", "adam_noise", "(DP-Adam against Adam plus the noise)"),
+                           ("dp_adam", "opacus_ghost", "(no target)"), ("dp_grape", "opacus_ghost", "(no target)")]:
+        ratio(num, den, lambda r: what)
 
 
 def report_memory(model: str, B: int, mem: dict, say) -> None:

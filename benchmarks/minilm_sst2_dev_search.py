@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import itertools
 import json
 import os
@@ -86,23 +87,24 @@ def pld_sigma(sets: list[str], recipe: str) -> float:
     (what ``noise_multiplier: auto`` with ``accountant: pld`` calibrates), computed once, so that
     a search run can state it and skip the in-run calibration."""
     from dpregistry.api import load_recipe
+
+    d = load_recipe(recipe, sets).data
+    n = 2 * d["objective"]["data"]["k_per_class"]
+    return pld_noise_multiplier(d["sampler"]["batch_size"] / n, d["train"]["steps"], d["privacy"]["epsilon"],
+                                d["privacy"]["delta"], d["privacy"]["relation"])
+
+
+@functools.cache
+def pld_noise_multiplier(q: float, steps: int, epsilon: float, delta: float, relation: str = "replace_one") -> float:
+    """The noise multiplier of ``steps`` Poisson-sampled (rate q) Gaussian releases of a clipped sum
+    that PLD calibrates to (ε, δ): what ``noise_multiplier: auto`` with ``accountant: pld`` gives."""
     from dpregistry.privacy.accountant import Budget, make_accountant
     from dpregistry.privacy.events import Gaussian, PoissonSampled, clipped_sum_sensitivity
     from dpregistry.stages import Charge
 
-    d = load_recipe(recipe, sets).data
-    n = 2 * d["objective"]["data"]["k_per_class"]
-    q, steps, relation = d["sampler"]["batch_size"] / n, d["train"]["steps"], d["privacy"]["relation"]
-    key = (q, steps, relation, d["privacy"]["epsilon"], d["privacy"]["delta"])
-    if key not in SIGMAS:
-        acc = make_accountant("pld", Budget(epsilon=key[3], delta=key[4], relation=relation))
-        sens = clipped_sum_sensitivity(1.0, relation)
-        SIGMAS[key] = acc.calibrate(lambda z: [Charge(PoissonSampled(q, Gaussian(std=z, sensitivity=sens)),
-                                                      count=steps)])
-    return SIGMAS[key]
-
-
-SIGMAS: dict[tuple, float] = {}
+    acc = make_accountant("pld", Budget(epsilon=epsilon, delta=delta, relation=relation))
+    sens = clipped_sum_sensitivity(1.0, relation)
+    return acc.calibrate(lambda z: [Charge(PoissonSampled(q, Gaussian(std=z, sensitivity=sens)), count=steps)])
 
 
 def zero_shot(recipe: str, sets: list[str], pairs: list[str], out: Path) -> None:

@@ -25,8 +25,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dpregistry.moments import step_size, update_moments_
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from minilm_sst2_dev_search import long_dev  # noqa: E402
+from minilm_sst2_dev_search import long_dev, pld_noise_multiplier  # noqa: E402
+
+BETAS = (0.9, 0.999)  # the recipes' Adam
 
 
 def features(recipe: str, data: str, cache: Path) -> dict:
@@ -42,17 +46,6 @@ def features(recipe: str, data: str, cache: Path) -> dict:
          "w": obj.model.head.weight.detach().clone(), "b": obj.model.head.bias.detach().clone()}
     torch.save(d, cache)
     return d
-
-
-def noise_multiplier(q: float, steps: int, epsilon: float, delta: float) -> float:
-    """What ``noise_multiplier: auto`` with ``accountant: pld`` gives under replace-one."""
-    from dpregistry.privacy.accountant import Budget, make_accountant
-    from dpregistry.privacy.events import Gaussian, PoissonSampled, clipped_sum_sensitivity
-    from dpregistry.stages import Charge
-
-    acc = make_accountant("pld", Budget(epsilon=epsilon, delta=delta, relation="replace_one"))
-    sens = clipped_sum_sensitivity(1.0, "replace_one")
-    return acc.calibrate(lambda z: [Charge(PoissonSampled(q, Gaussian(std=z, sensitivity=sens)), count=steps)])
 
 
 def per_example_head_grads(d, w, b, idx):
@@ -81,10 +74,9 @@ def simulate(d, method: str, B: float, steps: int, lr: float, C: float, sigma: f
             rc = r * (C / norms).clamp(max=1.0)[:, None]
             grads = [rc.T @ x, rc.sum(0)]
             grads = [(s + sigma * C * torch.randn(s.shape, generator=g)) / (q * n) for s in grads]
-            alpha = lr * math.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t)
+            alpha = step_size(lr, BETAS, t)
             for p, mm, vv, gg in zip((w, b), m, v, grads):
-                mm.mul_(0.9).add_(gg, alpha=0.1)
-                vv.mul_(0.999).addcmul_(gg, gg, value=0.001)
+                update_moments_(mm, vv, gg, BETAS)
                 p.sub_(alpha * mm / (vv.sqrt() + 1e-8))
         else:  # dpzero: one Gaussian direction, clipped directional derivatives, one scalar noise
             uw, ub = torch.randn(w.shape, generator=g), torch.randn(b.shape, generator=g)
@@ -120,7 +112,7 @@ def main() -> None:
     for B in a.batch:
         for T in a.steps:
             # ε = inf: no noise (with a large --clip, non-private training of the head)
-            sigma = 0.0 if math.isinf(a.epsilon) else noise_multiplier(B / len(d["y"]), T, a.epsilon, a.delta)
+            sigma = 0.0 if math.isinf(a.epsilon) else pld_noise_multiplier(B / len(d["y"]), T, a.epsilon, a.delta)
             for lr in a.lr:
                 for C in a.clip:
                     accs = [simulate(d, a.method, B, T, lr, C, sigma, s) for s in a.seeds]

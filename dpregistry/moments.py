@@ -12,7 +12,7 @@ import math
 
 import torch
 
-#: elements per block of ``sub_ratio_`` (4 MiB of fp32)
+#: elements per block of an in-place update (``sub_ratio_``, ``Projector.sub_back_``): 4 MiB of fp32
 BLOCK = 1 << 20
 
 

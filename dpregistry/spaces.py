@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import moments
 from .directions import Direction
 from .privacy.secret import SecretStream
 from .space_names import DENSE, GRADIENT, INCREMENT, PROJECTED, SEEDED_DIRECTION, SPACES, VECTOR_ZO  # noqa: F401
@@ -160,9 +161,6 @@ class Projector:
         P = self.matrix(X.device, X.dtype)
         return P @ X if self.side == "left" else X @ P.transpose(-1, -2)
 
-    #: elements of W lifted at a time by ``sub_back_`` (whole rows, about 4 MiB of fp32)
-    BLOCK_ELEMENTS = 1 << 20
-
     @torch.no_grad()
     def sub_back_(self, W: torch.Tensor, X: torch.Tensor, alpha: float) -> None:
         """W ← W − α·back(X) in place, a block of W's rows at a time: the lifted step never exists
@@ -171,7 +169,7 @@ class Projector:
         P = self.matrix(X.device, X.dtype)
         # left: back = P·X, W's rows are P's; right: back = X·Pᵀ, W's rows are X's
         rows_of, other = (P, X) if self.side == "left" else (X, P.transpose(-1, -2))
-        block = max(1, self.BLOCK_ELEMENTS // max(1, W.shape[-1]))
+        block = max(1, moments.BLOCK // max(1, W.shape[-1]))  # whole rows, about BLOCK elements
         for i in range(0, W.shape[0], block):
             W[i:i + block].sub_((rows_of[i:i + block] @ other).mul_(alpha).to(W.dtype))
 

@@ -13,6 +13,7 @@ from dpregistry import Objective
 from dpregistry.clipping import clip_and_sum
 from dpregistry.context import Context
 from dpregistry.rng import RunRNG
+from dpregistry import moments
 from dpregistry.spaces import ProjectedAggregate, Projector
 from dpregistry.stages import ClippedSum, Release
 
@@ -162,7 +163,7 @@ def test_back_projection_updates_the_weight_in_blocks_without_a_weight_sized_tra
     X = torch.randn(projected_shape(shape, pr.side, 4), generator=torch.Generator().manual_seed(0))
     W = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     expect = W - (pr.back(X) * 0.3).to(dtype)
-    monkeypatch.setattr(Projector, "BLOCK_ELEMENTS", 3 * shape[1])  # blocks of 3 rows, the last one short
+    monkeypatch.setattr(moments, "BLOCK", 3 * shape[1])  # blocks of 3 rows, the last one short
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         pr.sub_back_(W, X, 0.3)
     torch.testing.assert_close(W, expect, rtol=1e-6, atol=1e-6)  # up to the GEMM's summation order

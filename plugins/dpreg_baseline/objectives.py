@@ -268,9 +268,9 @@ class HFTextClassification(TorchObjective):
     def setup(self, ctx):
         super().setup(ctx)
         # a frozen encoder maps an example to the same features at every step: encode each once
-        n_bytes = self.n_train * self.model.head.in_features * 4 if self.cfg.model.pooling != "transformers" else 0
-        self._cache_features = self.cfg.cache_features and bool(n_bytes) and n_bytes <= self.FEATURE_CACHE_BYTES \
-            and all(n.startswith("head.") for n in self._params)
+        self._cache_features = (self.cfg.cache_features and self.cfg.model.pooling != "transformers"
+                                and all(n.startswith("head.") for n in self._params)
+                                and self.n_train * self.model.head.in_features * 4 <= self.FEATURE_CACHE_BYTES)
         self._train_features = None
 
     @torch.no_grad()
