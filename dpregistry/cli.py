@@ -150,6 +150,17 @@ def _relaunch(nproc: int) -> None:
     raise typer.Exit(subprocess.run(cmd).returncode)
 
 
+def _even_if_stopped(call):
+    """The Result of a run, also of one a signal stopped (the API raises then; ``_finish`` reports
+    it and exits with 128 + the signal)."""
+    from .api import Stopped, Terminated
+
+    try:
+        return call()
+    except (Stopped, Terminated) as stop:
+        return stop.result
+
+
 @app.command()
 def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of a shipped recipe")],
         out: Annotated[Optional[Path], typer.Option("--out", help="output folder")] = None,
@@ -158,7 +169,7 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
         quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
         nproc: Annotated[int, typer.Option("--nproc", help="data-parallel processes on this node (torchrun)")] = 1):
     """Train privately with RECIPE; writes metrics.jsonl, summary.json and checkpoints/ under --out."""
-    from .api import Stopped, Terminated, train
+    from .api import train
     from .folder import default_out
 
     if nproc < 1:
@@ -166,11 +177,8 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
     if nproc > 1:
         _relaunch(nproc)
     with user_errors():
-        try:
-            result = train(recipe, set=set_, out=out or default_out(recipe), overwrite=overwrite,
-                           verbose=not quiet, console=console)
-        except (Stopped, Terminated) as stop:
-            result = stop.result
+        result = _even_if_stopped(lambda: train(recipe, set=set_, out=out or default_out(recipe),
+                                                overwrite=overwrite, verbose=not quiet, console=console))
     _finish(result)
 
 
@@ -180,15 +188,12 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupte
            max_nonfinite_steps: Annotated[Optional[int], typer.Option(
                "--max-nonfinite-steps", min=0, help="raise train.max_nonfinite_steps of a run stopped at it")] = None):
     """Continue a run from its newest valid checkpoint (the privacy ledger continues too)."""
-    from .api import Stopped, Terminated, resume
+    from .api import resume
 
     with user_errors():
-        try:
-            result = resume(run_dir, verbose=not quiet, max_nonfinite_steps=max_nonfinite_steps, console=console,
-                            warn=lambda m: err.print(escape(m), style="yellow"),
-                            say=lambda m: console.print(escape(m), highlight=False))
-        except (Stopped, Terminated) as stop:
-            result = stop.result
+        result = _even_if_stopped(lambda: resume(run_dir, verbose=not quiet, max_nonfinite_steps=max_nonfinite_steps,
+                                                 console=console, warn=lambda m: err.print(escape(m), style="yellow"),
+                                                 say=lambda m: console.print(escape(m), highlight=False)))
     _finish(result)
 
 
