@@ -1135,7 +1135,8 @@ class HookContribution(DenseContribution):
     def norms(self):
         if self._sq is None:
             if self._spent:
-                raise RuntimeError("a two-pass contribution's norms are taken before its weighted sum")
+                raise RuntimeError("a contribution's norms are taken before its weighted sum (the sum drops the "
+                                   "per-example state)")
             shared = self._pieces_of_shared()
             # (the two-pass mode took each call's norms² in its first backward; same terms, same order)
             terms = [v for h, local, uses in self.records for u in uses
@@ -1153,23 +1154,26 @@ class HookContribution(DenseContribution):
         return self._sq.sqrt()
 
     def weighted_sum(self, weights):
-        """Σ_i w_i·G_i. In the two-pass mode this runs the second backward, which frees the graph:
-        the sum is then taken once."""
+        """Σ_i w_i·G_i, taken once. Each call's state is dropped as soon as its sum is formed, the
+        last layer's first: the first layers' sums (embedding tables, the largest) are formed when
+        the others' activations and backprops are gone, so the peak holds one of the two, not both.
+        The sums of a parameter reached by several calls are added in the calls' order, as the
+        norms see them. In the two-pass mode this runs the second backward, which frees the graph."""
         if self._spent:
-            raise RuntimeError("a two-pass contribution's weighted sum is taken once (the second backward frees "
-                               "the graph)")
+            raise RuntimeError("a contribution's weighted sum is taken once (its per-example state is dropped as "
+                               "the sum is formed)")
+        self._spent = True
         if self.second is not None:
-            second, self.second, self._spent = self.second, None, True
+            second, self.second = self.second, None
             second(weights)
-        out: dict[str, torch.Tensor] = {}
-        for h, local, uses in self.records:
-            for u in uses:
+        formed: list[tuple[str, torch.Tensor]] = []  # (name, the call's sum), last call first
+        for h, local, uses in reversed(self.records):
+            for u in reversed(uses):
                 sums = u.sums if u.sums is not None else h.weighted(u, weights)
-                u.sums = None
-                for k, v in sums.items():
-                    name = local[k]
-                    out[name] = out[name] + v if name in out else v
-        for name, p in self.params.items():
-            if name not in out:
-                out[name] = self._zero(name, p)
-        return self._aggregate({name: out[name] for name in self.params})
+                u.state, u.inp, u.g, u.args, u.kwargs, u.sums = {}, None, None, (), {}, None
+                formed += [(local[k], v) for k, v in reversed(sums.items())]
+        out: dict[str, torch.Tensor] = {}
+        for name, v in reversed(formed):
+            out[name] = out[name] + v if name in out else v
+        return self._aggregate({name: out[name] if name in out else self._zero(name, p)
+                                for name, p in self.params.items()})

@@ -336,12 +336,14 @@ def test_hf_opt_decoder():
     check(model, losses, 3, atol=1e-8)
 
 
-def test_a_two_pass_contribution_is_summed_once():
-    """The second backward frees the graph: a second sum, or norms asked for after the sum, would
-    need it again, so they are refused rather than returning zeros."""
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_contribution_is_summed_once(passes):
+    """The sum drops the per-example state (one pass) or frees the graph (the second backward): a
+    second sum, or norms asked for after the sum, would need it again, so they are refused rather
+    than returning zeros."""
     m = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
     x = torch.randn(4, 3)
-    c = ours(m, dict(m.named_parameters()), lambda: m(x).squeeze(-1), 4, passes=2)
+    c = ours(m, dict(m.named_parameters()), lambda: m(x).squeeze(-1), 4, passes=passes)
     c.weighted_sum(torch.ones(4))
     with pytest.raises(RuntimeError, match="once"):
         c.weighted_sum(torch.ones(4))
@@ -361,3 +363,32 @@ def test_the_two_pass_mode_frees_the_state_of_each_layer_after_its_norm():
     assert all(u.state for _, _, uses in one.records for u in uses)
     assert not any(u.state for _, _, uses in two.records for u in uses)
     assert all(v.shape == (5,) for _, _, uses in two.records for u in uses for v in u.sq.values())
+
+
+def test_the_book_keeping_sum_drops_each_layers_state_before_forming_the_earlier_layers_sums():
+    """One pass: when the first layer's sum (an embedding table's, the largest) is formed, every
+    later layer's factors are already gone, so the peak never holds the kept state and the full-size
+    sums together; the sum is the same as the reference's."""
+    torch.manual_seed(0)
+    m = SeqModel()
+    ids, y = torch.randint(1, 11, (5, 7)), torch.randint(0, 2, (5,))
+    params = {n: p for n, p in m.named_parameters() if p.requires_grad}
+    c = ours(m, params, lambda: F.cross_entropy(m(ids), y, reduction="none"), 5)
+    first_h, _, first_uses = c.records[0]
+    later = [u for _, _, uses in c.records[1:] for u in uses]
+    assert first_uses and later and all(u.state for u in later)
+    seen = []
+    weighted = first_h.weighted
+
+    def spy(use, w):
+        seen.append([bool(u.state) for u in later])
+        return weighted(use, w)
+
+    first_h.weighted = spy
+    c.norms()
+    w = torch.linspace(0.5, 1.5, 5)
+    agg = c.weighted_sum(w)
+    assert seen and not any(any(s) for s in seen)
+    ref = reference(m, params, lambda: F.cross_entropy(m(ids), y, reduction="none"))
+    for k, g in ref.items():
+        torch.testing.assert_close(agg.tensors[k], (g * w.view(-1, *[1] * (g.dim() - 1))).sum(0), rtol=1e-9, atol=1e-9)

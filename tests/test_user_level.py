@@ -118,8 +118,10 @@ def test_the_norm_of_a_users_sum_is_computed_from_the_factors_as_autograd_gives_
     users = torch.tensor([0] * 7 + [1] * 1 + [2] * 9 + [3] * 7)  # uneven groups
     contrib = next(est.contributions(obj, idx, ctx))
     got = contrib.group_norms(users, 4)
-    # the same contribution's per-example vectors, summed per user (its own space: dense or projected)
-    rows = [contrib.weighted_sum(F.one_hot(torch.tensor(i), obj.n_train).double()) for i in range(obj.n_train)]
+    # the same per-example vectors, summed per user (in the contribution's own space: dense or projected);
+    # a weighted sum is taken once, so each row comes from a fresh contribution of the same batch
+    rows = [next(est.contributions(obj, idx, ctx)).weighted_sum(F.one_hot(torch.tensor(i), obj.n_train).double())
+            for i in range(obj.n_train)]
     flat = torch.stack([torch.cat([t.reshape(-1) for _, t in sorted(r.tensors.items())]) for r in rows])
     want = torch.zeros(4, flat.shape[1], dtype=flat.dtype).index_add_(0, users, flat).norm(dim=1)
     assert torch.allclose(got, want, rtol=1e-9)
