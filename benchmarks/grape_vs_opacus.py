@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -340,8 +341,10 @@ def report_memory(model: str, B: int, mem: dict, say) -> None:
             say(f"  memory {num} ÷ {den}: {ratio:.3f}   target ≤ {target}: {verdict(ratio, target)}")
 
 
-def largest_batch(method: str, model: str, budget: float, sweep: dict, steps: int, device: str, say) -> int | None:
-    """The largest batch whose measured peak fits the budget: the sweep's, refined by bisection."""
+def largest_batch(method: str, model: str, budget: float, sweep: dict, steps: int, device: str,
+                  say) -> tuple[int | None, int | None]:
+    """(the largest batch measured to fit the budget, the smallest larger one measured not to, or
+    None when every larger batch tried fits): the sweep's, narrowed by bisection."""
     fits = [B for B, r in sweep.items() if r.get("peak_mib", float("inf")) <= budget]
     over = [B for B, r in sweep.items() if r.get("peak_mib", float("inf")) > budget]
     lo = max(fits) if fits else None
@@ -360,7 +363,14 @@ def largest_batch(method: str, model: str, budget: float, sweep: dict, steps: in
     runs = ", ".join(f"{B}: {p:.0f}" if p is not None else f"{B}: failed" for B, p in sorted(measured.items()))
     say(f"  {method:<13} largest batch measured to fit {budget:.0f} MiB: {lo if lo is not None else 'none'}"
         f"{f' (B = {hi} did not)' if hi is not None else ' (the largest batch tried)'}   [peak MiB by batch: {runs}]")
-    return lo
+    return lo, hi
+
+
+def batch_ratio(num: tuple, den: tuple) -> tuple[float, float]:
+    """Bounds on (largest batch of num) ÷ (largest batch of den) from what was measured: a method's
+    largest batch lies in [fits, did-not − 1], unbounded above when the largest batch tried fit."""
+    (ln, hn), (ld, hd) = num, den
+    return ln / (hd - 1) if hd else 0.0, (hn - 1) / ld if hn else math.inf
 
 
 def main() -> None:
@@ -420,10 +430,12 @@ def main() -> None:
             say(f"\n-- largest batch in {budget} MiB (measured runs only; {a.search} bisection steps)")
             best = {m: largest_batch(m, model, budget, sweep[m], a.search, a.device, say) for m in sweep}
             for num, den, target in BATCH_TARGETS:
-                if best.get(num) and best.get(den):
-                    ratio = best[num] / best[den]
-                    say(f"  largest batch {num} ÷ {den}: {ratio:.2f}   target ≥ {target}: "
-                        f"{verdict(ratio, target, at_least=True)}")
+                if best.get(num, (None,))[0] and best.get(den, (None,))[0]:
+                    low, high = batch_ratio(best[num], best[den])
+                    shown = f"{low:.2f}" if low == high else f"between {low:.2f} and {high:.2f}"
+                    say(f"  largest batch {num} ÷ {den}: {shown}   target ≥ {target}: " +
+                        ("MET" if low >= target else "NOT MET" if high < target else
+                         "not settled by these runs (narrow them with --search N)"))
     if a.out:
         Path(a.out).write_text("\n".join(lines) + "\n")
 
