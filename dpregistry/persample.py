@@ -30,7 +30,7 @@ Two ways to the clipped sum (``GradSampler(passes=...)``, the estimators' ``pass
   backprops that already carry w_i, so its plain (masked) sum is its clipped sum. One more
   input-gradient backward of time; the backprops are never held together.
 
-A two-pass contribution is summed once (the second backward frees the graph).
+A contribution is summed once: the sum drops the kept state (and the second backward frees the graph).
 
 Layers: Linear, Embedding, LayerNorm and Conv1d/2d; any
 other module that owns trainable parameters gets its per-example gradients of those parameters
@@ -1112,7 +1112,8 @@ class HookContribution(DenseContribution):
         """‖Σ_{i in g} G_i‖ per group, from the regrouped pieces: no per-example gradient of a layer
         kept as factors or rows is formed."""
         if self.second is not None or self._spent:
-            raise RuntimeError("a two-pass contribution dropped the pieces that the norms of groups need")
+            raise RuntimeError("the norms of groups need the per-example pieces, which a two-pass contribution or a "
+                               "weighted sum has dropped")
         pieces: dict[str, list[Piece]] = {}
         for h, local, uses in self.records:
             for u in uses:
@@ -1155,10 +1156,12 @@ class HookContribution(DenseContribution):
 
     def weighted_sum(self, weights):
         """Σ_i w_i·G_i, taken once. Each call's state is dropped as soon as its sum is formed, the
-        last layer's first: the first layers' sums (embedding tables, the largest) are formed when
-        the others' activations and backprops are gone, so the peak holds one of the two, not both.
-        The sums of a parameter reached by several calls are added in the calls' order, as the
-        norms see them. In the two-pass mode this runs the second backward, which frees the graph."""
+        last registered layer's first: the first layers' sums (embedding tables, the largest) are
+        formed when the others' activations and backprops are gone, so the peak holds one of the
+        two, not both. A parameter's sums are added in the old order (layers, then calls, as
+        registered): at once within a layer, and those of a parameter that several layers reach
+        (a tied table) at the end. In the two-pass mode this runs the second backward, which frees
+        the graph."""
         if self._spent:
             raise RuntimeError("a contribution's weighted sum is taken once (its per-example state is dropped as "
                                "the sum is formed)")
@@ -1166,14 +1169,28 @@ class HookContribution(DenseContribution):
         if self.second is not None:
             second, self.second = self.second, None
             second(weights)
-        formed: list[tuple[str, torch.Tensor]] = []  # (name, the call's sum), last call first
+        layers_of: dict[str, int] = {}
+        for _, local, _ in self.records:
+            for name in set(local.values()):
+                layers_of[name] = layers_of.get(name, 0) + 1
+        out: dict[str, torch.Tensor] = {}
+        shared: list[tuple[str, torch.Tensor]] = []  # terms of parameters several layers reach, last layer first
+
+        def add(name, v):
+            out[name] = out[name] + v if name in out else v
+
         for h, local, uses in reversed(self.records):
-            for u in reversed(uses):
+            terms = []
+            for u in uses:
                 sums = u.sums if u.sums is not None else h.weighted(u, weights)
                 u.state, u.inp, u.g, u.args, u.kwargs, u.sums = {}, None, None, (), {}, None
-                formed += [(local[k], v) for k, v in reversed(sums.items())]
-        out: dict[str, torch.Tensor] = {}
-        for name, v in reversed(formed):
-            out[name] = out[name] + v if name in out else v
+                for k, v in sums.items():
+                    if layers_of[local[k]] > 1:
+                        terms.append((local[k], v))
+                    else:
+                        add(local[k], v)
+            shared += terms[::-1]
+        for name, v in reversed(shared):
+            add(name, v)
         return self._aggregate({name: out[name] if name in out else self._zero(name, p)
                                 for name, p in self.params.items()})

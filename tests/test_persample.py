@@ -365,7 +365,7 @@ def test_the_two_pass_mode_frees_the_state_of_each_layer_after_its_norm():
     assert all(v.shape == (5,) for _, _, uses in two.records for u in uses for v in u.sq.values())
 
 
-def test_the_book_keeping_sum_drops_each_layers_state_before_forming_the_earlier_layers_sums():
+def test_the_book_keeping_sum_drops_each_layers_state_before_forming_the_earlier_layers_sums(monkeypatch):
     """One pass: when the first layer's sum (an embedding table's, the largest) is formed, every
     later layer's factors are already gone, so the peak never holds the kept state and the full-size
     sums together; the sum is the same as the reference's."""
@@ -384,11 +384,50 @@ def test_the_book_keeping_sum_drops_each_layers_state_before_forming_the_earlier
         seen.append([bool(u.state) for u in later])
         return weighted(use, w)
 
-    first_h.weighted = spy
+    monkeypatch.setattr(first_h, "weighted", spy)  # the registry's shared handler: restored after the test
     c.norms()
     w = torch.linspace(0.5, 1.5, 5)
     agg = c.weighted_sum(w)
     assert seen and not any(any(s) for s in seen)
     ref = reference(m, params, lambda: F.cross_entropy(m(ids), y, reduction="none"))
+    for k, g in ref.items():
+        torch.testing.assert_close(agg.tensors[k], (g * w.view(-1, *[1] * (g.dim() - 1))).sum(0), rtol=1e-9, atol=1e-9)
+
+
+def test_a_layer_called_many_times_holds_one_running_sum_not_one_per_call(monkeypatch):
+    """A cell in a loop: its K calls' sums are added as they are formed, so at most the running
+    total and the newest sum are alive (not K parameter-sized sums); the total is the reference's."""
+    import weakref
+
+    torch.manual_seed(0)
+    cell, head = nn.Linear(6, 6), nn.Linear(6, 1)
+    m = nn.ModuleDict({"cell": cell, "head": head})
+    x = torch.randn(3, 6)
+
+    def losses():
+        h = x
+        for _ in range(6):
+            h = torch.tanh(cell(h))
+        return head(h).squeeze(-1)
+
+    params = dict(m.named_parameters())
+    c = ours(m, params, losses, 3)
+    h = next(hh for hh, _, uses in c.records if uses and uses[0].module is cell)
+    formed, most_alive = [], [0]
+    weighted = h.weighted
+
+    def spy(use, w):  # the handler is the registry's one Linear handler: the head's call passes too
+        most_alive[0] = max(most_alive[0], sum(r() is not None for r in formed))
+        sums = weighted(use, w)
+        if use.module is cell:
+            formed.extend(weakref.ref(v) for v in sums.values())
+        return sums
+
+    monkeypatch.setattr(h, "weighted", spy)
+    c.norms()
+    w = torch.tensor([0.5, 1.0, 2.0])
+    agg = c.weighted_sum(w)
+    assert len(formed) == 12 and most_alive[0] <= 4  # weight and bias: the running totals and the newest pair
+    ref = reference(m, params, losses)
     for k, g in ref.items():
         torch.testing.assert_close(agg.tensors[k], (g * w.view(-1, *[1] * (g.dim() - 1))).sum(0), rtol=1e-9, atol=1e-9)
