@@ -74,8 +74,8 @@ MEMORY_TARGETS = [("dp_adam", "opacus_ghost", 0.75), ("dp_adam", "adam", 1.10), 
 BATCH_TARGETS = [(m, "opacus_ghost", 2.0) for m in ("dp_adam", "dp_adam_2p", "dp_grape")]  # ours ≥ 2× Opacus ghost
 
 
-def verdict(value: float, target: float, at_least: bool = False) -> str:
-    return "MET" if (value >= target if at_least else value <= target) else "NOT MET"
+def verdict(value: float, target: float) -> str:
+    return "MET" if value <= target else "NOT MET"
 
 
 # -- building a method ----------------------------------------------------------------------------

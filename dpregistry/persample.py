@@ -360,6 +360,10 @@ class Use:
     #: products), "per_example" (materialised), "rows" (an embedding's ids and backprops)
     plan: dict = field(default_factory=dict)
 
+    def drop(self) -> None:
+        """Forget the call's inputs, backprop and kept state (once its sum is formed)."""
+        self.state, self.inp, self.g, self.args, self.kwargs = {}, None, None, (), {}
+
 
 class LayerHandler:
     """Per-example norms² and weighted sums for the parameters of one module type.
@@ -850,7 +854,7 @@ class GradSampler:
         else:
             h.on_backprop(use)
             use.sums = h.weighted(use, p.mask)
-            use.state, use.inp, use.g, use.args, use.kwargs = {}, None, None, (), {}
+            use.drop()
 
     def capture(self, batch_size: int):
         sampler = self
@@ -1182,8 +1186,8 @@ class HookContribution(DenseContribution):
         for h, local, uses in reversed(self.records):
             terms = []
             for u in uses:
-                sums = u.sums if u.sums is not None else h.weighted(u, weights)
-                u.state, u.inp, u.g, u.args, u.kwargs, u.sums = {}, None, None, (), {}, None
+                sums, u.sums = u.sums if u.sums is not None else h.weighted(u, weights), None
+                u.drop()
                 for k, v in sums.items():
                     if layers_of[local[k]] > 1:
                         terms.append((local[k], v))
