@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from .errors import UserError
 from .stages import ClippedSum
 
 
@@ -61,3 +62,24 @@ def _clip_groups(contribution, clip: float) -> ClippedSum:
     return ClippedSum(agg, count=n, clipped=int((finite & (means > clip)).sum()), nonfinite=int((~finite).sum()),
                       loss_sum=loss_sum, kind=contribution.kind)
 
+
+
+def clip_and_sum_per_layer(contribution, clip: float) -> ClippedSum:
+    """Per-layer clipping: each layer's per-example gradient clipped to C/√G (G layers, tied ones
+    merged), summed as the backward reaches it (``HookContribution.clipped_sum_per_layer``). Every
+    example still moves the sum by at most C, so the noise is that of flat clipping at C."""
+    per_layer = getattr(contribution, "clipped_sum_per_layer", None)
+    if per_layer is None:
+        raise UserError(f"clipping: per_layer needs per-example gradients from the hooks (estimator "
+                        f"per_example_grad or projected_per_example_grad on a torch module), not a "
+                        f"{type(contribution).__name__}", key="privatizer.clipping")
+    if contribution.groups is not None:
+        raise UserError("clipping: per_layer cannot clip a user's examples as one (privacy.unit: user); use "
+                        "clipping: flat", key="privatizer.clipping")
+    agg, clipped, dropped = per_layer(clip)
+    losses = contribution.losses
+    loss_sum = 0.0
+    if losses is not None and losses.numel():
+        loss_sum = float(losses[torch.isfinite(losses)].sum())
+    return ClippedSum(agg, count=int(contribution.n), clipped=int(clipped.sum()), nonfinite=int(dropped.sum()),
+                      loss_sum=loss_sum, kind=contribution.kind)

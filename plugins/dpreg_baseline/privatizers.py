@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from dpregistry import Privatizer, Release, StageParams, UserError
-from dpregistry.clipping import clip_and_sum
+from dpregistry.clipping import clip_and_sum, clip_and_sum_per_layer
 from dpregistry.privacy.events import Gaussian, NonPrivate, clipped_sum_sensitivity
 
 
@@ -17,6 +17,10 @@ class GaussianParams(StageParams):
                         description="per-example L2 bound C, in the estimator's space (inf: no clipping)")
     noise_multiplier: float | Literal["auto"] = Field(
         default="auto", description="std of the noise on the clipped sum ÷ C; auto: calibrated to the budget")
+    clipping: Literal["flat", "per_layer"] = Field(
+        default="flat", description="flat: each example's whole gradient to C; per_layer (opt-in): each layer's "
+                                    "to C/√(layers), summed as the backward goes (the memory of a non-private "
+                                    "backward, the same sensitivity C and noise; different, often lower, utility)")
 
 
 class GaussianPrivatizer(Privatizer):
@@ -46,12 +50,17 @@ class GaussianPrivatizer(Privatizer):
                                 key="privatizer.clip")
         elif self.noise_multiplier is not None and self.noise_multiplier < 0:
             raise UserError("noise_multiplier must be >= 0", key="privatizer.noise_multiplier")
+        if self.cfg.clipping == "per_layer" and ctx.clips_groups:
+            raise UserError("clipping: per_layer cannot clip a user's examples as one (privacy.unit: user); use "
+                            "clipping: flat", key="privatizer.clipping")
 
     def sensitivity(self) -> float:
         """L2 sensitivity of the clipped sum under the run's relation (2C replace-one, C add/remove)."""
         return clipped_sum_sensitivity(self.cfg.clip, self.relation)
 
     def clip_sum(self, contribution):
+        if self.cfg.clipping == "per_layer":
+            return clip_and_sum_per_layer(contribution, self.cfg.clip)
         return clip_and_sum(contribution, self.cfg.clip)
 
     def _events(self, std: float):
