@@ -31,6 +31,10 @@ Two ways to the clipped sum (``GradSampler(passes=...)``, the estimators' ``pass
   input-gradient backward of time; the backprops are never held together.
 
 A contribution is summed once: the sum drops the kept state (and the second backward frees the graph).
+Its backward runs when it is first read, not when it is made: per-layer clipping (the opt-in
+``privatizer.clipping: per_layer``) hands it the clip, and each layer's clipped sum is then formed
+inside that one backward as soon as the layer's backprops are in (``_LayerClip``), so no layer's
+state outlives its own backward step: the memory of a non-private backward, in one pass.
 
 Layers: Linear, Embedding, LayerNorm and Conv1d/2d; any
 other module that owns trainable parameters gets its per-example gradients of those parameters
