@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import make_run
+from test_core_engine import RECIPE as ENGINE_RECIPE
 from dpregistry import UserError
 from dpregistry.clipping import clip_and_sum_per_layer
 from dpregistry.persample import GradSampler, _LayerClip
@@ -224,16 +225,7 @@ def test_a_contribution_is_clipped_per_layer_once_and_not_after_flat_reads():
         c.clipped_sum_per_layer(1.0)
 
 
-RECIPE = {
-    "seed": 3,
-    "algorithm": "dp_adam",
-    "objective": {"name": "tabular", "model": {"kind": "mlp", "hidden": [16]}, "data": {"dataset": "wine"}},
-    "sampler": {"name": "poisson", "batch_size": 16},
-    "privatizer": {"clip": 1.0, "noise_multiplier": "auto"},
-    "update": {"lr": 0.01},
-    "privacy": {"epsilon": 4.0, "delta": 1e-3, "noise": "reproducible"},
-    "train": {"steps": 4},
-}
+RECIPE = {**ENGINE_RECIPE, "train": {"steps": 4}}
 
 
 def test_a_per_layer_run_spends_exactly_what_a_flat_run_spends(tmp_path):
