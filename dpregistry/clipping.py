@@ -6,7 +6,6 @@ import math
 
 import torch
 
-from .errors import UserError
 from .stages import ClippedSum
 
 
@@ -32,9 +31,8 @@ def clip_and_sum(contribution, clip: float) -> ClippedSum:
         finite &= torch.isfinite(losses.to(norms.device))
     w = clip_weights(norms, clip, finite)
     agg = contribution.weighted_sum(w)
-    loss_sum = float(losses[finite.to(losses.device)].sum()) if losses is not None and losses.numel() else 0.0
     return ClippedSum(agg, count=int(norms.numel()), clipped=int((finite & (norms > clip)).sum()),
-                      nonfinite=int((~finite).sum()), loss_sum=loss_sum, kind=contribution.kind)
+                      nonfinite=int((~finite).sum()), loss_sum=_loss_sum(losses, finite), kind=contribution.kind)
 
 
 def _clip_groups(contribution, clip: float) -> ClippedSum:
@@ -67,19 +65,19 @@ def _clip_groups(contribution, clip: float) -> ClippedSum:
 def clip_and_sum_per_layer(contribution, clip: float) -> ClippedSum:
     """Per-layer clipping: each layer's per-example gradient clipped to C/√G (G layers, tied ones
     merged), summed as the backward reaches it (``HookContribution.clipped_sum_per_layer``). Every
-    example still moves the sum by at most C, so the noise is that of flat clipping at C."""
-    per_layer = getattr(contribution, "clipped_sum_per_layer", None)
-    if per_layer is None:
-        raise UserError(f"clipping: per_layer needs per-example gradients from the hooks (estimator "
-                        f"per_example_grad or projected_per_example_grad on a torch module), not a "
-                        f"{type(contribution).__name__}", key="privatizer.clipping")
+    example still moves the sum by at most C, so the noise is that of flat clipping at C. The
+    run checked before step 1 that the estimator's contributions allow it (``LayerGradients``)."""
+    if contribution.batch_size == 0:  # an empty Poisson batch: the zero sum
+        return clip_and_sum(contribution, clip)
     if contribution.groups is not None:
-        raise UserError("clipping: per_layer cannot clip a user's examples as one (privacy.unit: user); use "
-                        "clipping: flat", key="privatizer.clipping")
-    agg, clipped, dropped = per_layer(clip)
-    losses = contribution.losses
-    loss_sum = 0.0
-    if losses is not None and losses.numel():
-        loss_sum = float(losses[torch.isfinite(losses)].sum())
+        raise RuntimeError("per-layer clipping does not clip groups of rows")
+    agg, clipped, dropped = contribution.clipped_sum_per_layer(clip)
     return ClippedSum(agg, count=int(contribution.n), clipped=int(clipped.sum()), nonfinite=int(dropped.sum()),
-                      loss_sum=loss_sum, kind=contribution.kind)
+                      loss_sum=_loss_sum(contribution.losses, ~dropped), kind=contribution.kind)
+
+
+def _loss_sum(losses, keep: torch.Tensor) -> float:
+    """The losses of the examples that count (for the step's mean loss)."""
+    if losses is None or not losses.numel():
+        return 0.0
+    return float(losses[keep.to(losses.device)].sum())

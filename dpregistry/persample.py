@@ -33,8 +33,10 @@ Two ways to the clipped sum (``GradSampler(passes=...)``, the estimators' ``pass
 A contribution is summed once: the sum drops the kept state (and the second backward frees the graph).
 Its backward runs when it is first read, not when it is made: per-layer clipping (the opt-in
 ``privatizer.clipping: per_layer``) hands it the clip, and each layer's clipped sum is then formed
-inside that one backward as soon as the layer's backprops are in (``_LayerClip``), so no layer's
-state outlives its own backward step: the memory of a non-private backward, in one pass.
+inside that one backward as soon as the layer's backprops are in (``_LayerClip``), so a layer's
+state does not outlive its own backward step (a group of layers that share a parameter, or a layer
+called several times, keeps its calls' state until its last call's backprop): the memory of a
+non-private backward, in one pass.
 
 Layers: Linear, Embedding, LayerNorm and Conv1d/2d; any
 other module that owns trainable parameters gets its per-example gradients of those parameters
@@ -57,6 +59,7 @@ lost or counted twice.
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -759,7 +762,7 @@ class GradSampler:
         self._handler = {id(m): h for m, h, _ in self.layers}
         self._local = {id(m): local for m, _, local in self.layers}
         #: per-layer clipping's groups: each layer, with the layers that share a parameter with it merged
-        self._group_of, self.n_clip_groups = _clip_groups(self.layers)
+        self._group_of, self.n_clip_groups = _layer_groups(self.layers)
         self._uses: dict[int, list[Use]] = {}
         self._handles = []
         self._anchor: torch.Tensor | None = None
@@ -845,13 +848,11 @@ class GradSampler:
         * second of two passes: the backprop is of Σ_i w_i·loss_i, so the layer's plain sum (rows
           of weight 0 masked out, NaN-safe) is its clipped sum; then everything is dropped."""
         p = self._pass
-        if p is None:
+        if p is None or p.mode == "per_layer":
             h.on_backprop(use)
             use.plan = {k: _piece_kind(v) for k, v in use.state.items()}
-        elif p.mode == "per_layer":
-            h.on_backprop(use)
-            use.plan = {k: _piece_kind(v) for k, v in use.state.items()}
-            p.clip.arrive(use, h)
+            if p is not None:
+                p.clip.arrive(use, h)
         elif p.mode == "norms":
             kept = use.inp, use.args, use.kwargs
             h.on_backprop(use)
@@ -1034,6 +1035,27 @@ class GradSampler:
         return [(h, local, by_module.get(id(m), [])) for m, h, local in self.layers]
 
 
+@dataclass(frozen=True)
+class LayerGradients:
+    """What the hook estimators offer a privatizer (``provides``): contributions that hold
+    per-example gradients by layer and can be clipped per layer inside their backward
+    (``HookContribution.clipped_sum_per_layer``). ``groups``: the layer groups, G."""
+
+    groups: int
+
+
+def layer_gradients(sampler: "GradSampler | None") -> LayerGradients:
+    """A hook estimator's ``provide(LayerGradients)``: refused, naming the estimator setting, where
+    its contributions cannot be clipped per layer."""
+    if sampler is None:
+        raise UserError("clipping: per_layer needs per-example gradients from the hooks (backend: hooks, an "
+                        "objective with a torch module)", key="estimator.backend")
+    if sampler.passes == 2:
+        raise UserError("clipping: per_layer clips each layer inside one backward; passes: 2 does not apply",
+                        key="estimator.passes")
+    return LayerGradients(sampler.n_clip_groups)
+
+
 class _Backward:
     """A hook contribution's backward of Σ_i loss_i, waiting for its first reader. Runs once."""
 
@@ -1061,7 +1083,7 @@ class _Backward:
         return s._records(self.uses), second
 
 
-def _clip_groups(layers) -> tuple[dict[int, int], int]:
+def _layer_groups(layers) -> tuple[dict[int, int], int]:
     """Each layer's group for per-layer clipping (by ``id`` of its module) and the number of groups:
     one per layer, except that layers reaching a common parameter (a tied table) form one group, so
     that the groups split the coordinates and the per-group bounds add up in squares."""
@@ -1094,10 +1116,7 @@ class _LayerClip:
     def __init__(self, sampler: "GradSampler", uses: list[Use], clip: float, finite: torch.Tensor):
         self.sampler, self.finite = sampler, finite
         self.clip = clip / sampler.n_clip_groups ** 0.5
-        self.expected: dict[int, int] = {}
-        for u in uses:
-            g = sampler._group_of[id(u.module)]
-            self.expected[g] = self.expected.get(g, 0) + 1
+        self.expected = Counter(sampler._group_of[id(u.module)] for u in uses)
         self.arrived: dict[int, list] = {}
         self.sums: dict[str, torch.Tensor] = {}
         self.clipped = torch.zeros_like(finite)
@@ -1124,7 +1143,7 @@ class _LayerClip:
             local = self.sampler._local[id(use.module)]
             for k, v in h.pieces(use).items():
                 pieces.setdefault(local[k], []).append(v)
-        sq = sum(_sq_of_sum(ps) if len(ps) > 1 else _piece_sq(ps[0]) for ps in pieces.values())
+        sq = sum(_sq_of_sum(ps) for ps in pieces.values())
         norms = sq.sqrt()
         finite = self.finite.to(norms.device)
         ok = finite & torch.isfinite(norms)
@@ -1187,6 +1206,10 @@ class _SecondPass:
             s._pass = None
 
 
+#: ``HookContribution.pending`` of a contribution whose backward raised
+_FAILED = object()
+
+
 @dataclass
 class HookContribution(DenseContribution):
     """Dense per-example gradients, held as compact per-layer state (see the module docstring).
@@ -1214,8 +1237,16 @@ class HookContribution(DenseContribution):
         """Run the pending backward (once): the layers' handlers keep their state for the norms and
         the sum (or take the norms², in the first of two passes)."""
         if self.pending is not None:
-            pending, self.pending = self.pending, None
-            self._records, self.second = pending()
+            self._run_backward()
+
+    def _run_backward(self, clip: "_LayerClip | None" = None) -> None:
+        """The pending backward, with per-layer clipping when ``clip`` is given. A backward that
+        fails leaves the contribution unreadable, not empty."""
+        if self.pending is _FAILED:
+            raise RuntimeError("the backward of this contribution failed; it cannot be read")
+        pending, self.pending = self.pending, _FAILED
+        self._records, self.second = pending(clip)
+        self.pending = None
 
     @property
     def records(self) -> list:
@@ -1229,17 +1260,18 @@ class HookContribution(DenseContribution):
         layer's state waits for the others (the memory of a non-private backward). Taken once,
         instead of the norms and the weighted sum. Returns the sum, which examples some group
         clipped, and which were dropped whole or in part (a loss or a group norm not finite)."""
+        if self.pending is _FAILED:
+            self._run_backward()  # raises: the backward failed
         if self.pending is None and (self._spent or any(uses for _, _, uses in self._records)):
             raise RuntimeError("per-layer clipping runs the contribution's backward: it is taken once, before any "
                                "norm or sum")
         self._spent = True
         finite = self.finite if self.finite is not None else torch.ones(self.n, dtype=torch.bool)
-        pending, self.pending = self.pending, None
-        if pending is None:
+        if self.pending is None:
             clipped, dropped, sums = torch.zeros_like(finite), ~finite, {}
         else:
-            layer_clip = _LayerClip(pending.sampler, pending.uses, clip, finite)
-            self._records, _ = pending(layer_clip)
+            layer_clip = _LayerClip(self.pending.sampler, self.pending.uses, clip, finite)
+            self._run_backward(layer_clip)
             clipped, dropped, sums = layer_clip.clipped, layer_clip.dropped, layer_clip.sums
         agg = self._aggregate({name: sums[name] if name in sums else self._zero(name, p)
                                for name, p in self.params.items()})
@@ -1294,10 +1326,10 @@ class HookContribution(DenseContribution):
 
     def norms(self):
         if self._sq is None:
+            self.backward()
             if self._spent:
                 raise RuntimeError("a contribution's norms are taken before its weighted sum (the sum drops the "
                                    "per-example state)")
-            self.backward()
             shared = self._pieces_of_shared()
             # (the two-pass mode took each call's norms² in its first backward; same terms, same order)
             terms = [v for h, local, uses in self.records for u in uses
@@ -1322,10 +1354,10 @@ class HookContribution(DenseContribution):
         registered): at once within a layer, and those of a parameter that several layers reach
         (a tied table) at the end. In the two-pass mode this runs the second backward, which frees
         the graph."""
+        self.backward()
         if self._spent:
             raise RuntimeError("a contribution's weighted sum is taken once (its per-example state is dropped as "
                                "the sum is formed)")
-        self.backward()
         self._spent = True
         if self.second is not None:
             second, self.second = self.second, None

@@ -117,6 +117,37 @@ def test_per_layer_sum_equals_the_reference(clip, passes):
     assert (got.count, got.nonfinite, got.clipped) == (5, 0, int(clipped.sum()))
 
 
+class UnusedCall(nn.Module):
+    """A tied pair whose second layer's call never reaches the loss: its group closes only when
+    the backward ends (the tap of the unused call sees no backprop)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        self.b(h)  # computed, never used
+        return self.out(torch.tanh(self.a(h)))
+
+
+@pytest.mark.usefixtures("fp64")
+def test_a_group_with_a_call_outside_the_loss_is_still_summed():
+    torch.manual_seed(3)
+    model = UnusedCall()
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    gs = GradSampler(model, dict(model.named_parameters()))
+    with torch.enable_grad(), gs.capture(5):
+        losses = F.cross_entropy(model(x), y, reduction="none")
+    got = clip_and_sum_per_layer(gs.contribution(losses), 0.3)
+    per_ex = {k: torch.stack(v) for k, v in _per_example_mlp(model, x, y).items()}
+    expect = clipped_reference(per_ex, [["a.weight", "a.bias", "b.bias"], ["out.weight", "out.bias"]], 0.3)
+    for k, v in expect.items():
+        torch.testing.assert_close(got.aggregate.tensors[k], v, atol=1e-10, rtol=1e-9, msg=lambda m: f"{k}: {m}")
+    assert float(expect["a.weight"].abs().max()) > 0
+
+
 def _sum_without(model, ids, targets, clip, drop):
     keep = [i for i in range(ids.shape[0]) if i != drop]
     _, c = contribution(model, ids[keep], targets[keep])
@@ -178,8 +209,9 @@ def _per_example_mlp(model, x, y):
     out = {k: [] for k in params}
     for i in range(x.shape[0]):
         loss = F.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
-        for k, g in zip(params, torch.autograd.grad(loss, list(params.values()))):
-            out[k].append(g)
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        for (k, p), g in zip(params.items(), grads):
+            out[k].append(torch.zeros_like(p) if g is None else g)
     return out
 
 
@@ -241,11 +273,94 @@ def test_a_per_layer_run_spends_exactly_what_a_flat_run_spends(tmp_path):
     assert any(not torch.equal(per_layer.params[k], flat.params[k]) for k in flat.params)
 
 
-def test_per_layer_clipping_refuses_contributions_without_layers(tmp_path):
+def test_per_layer_clipping_needs_an_estimator_that_offers_it(tmp_path):
     recipe = {**RECIPE, "algorithm": "standard", "estimator": {"name": "zo_two_point"},
               "privatizer": {"name": "gaussian", "clip": 1.0, "noise_multiplier": 1.0, "clipping": "per_layer"},
-              "update": {"name": "directional_sgd", "lr": 0.01}, "accountant": "rdp", "sampler": RECIPE["sampler"],
+              "update": {"name": "directional_sgd", "lr": 0.01}, "accountant": "rdp",
               "privacy": {"epsilon": None, "delta": 1e-3}}
-    run = make_run(recipe, tmp_path)
-    with pytest.raises(UserError, match="per_layer needs per-example gradients from the hooks"):
-        run.train()
+    with pytest.raises(UserError, match="needs LayerGradients.*per_example_grad"):
+        make_run(recipe, tmp_path)
+
+
+@pytest.mark.usefixtures("fp64")
+def test_dp_grape_per_layer_clips_the_projected_gradients_with_the_contributions_own_projectors():
+    """DP-GRAPE's layers are clipped in the projected space (Pᵀ·G_i), each to C/√G. The backward
+    runs when the contribution is read, possibly after the estimator moved on to the next step's
+    projectors (refreshed every step here): the sum uses the projectors the contribution carries."""
+    from test_grape import FixedData, Seq, estimator
+
+    torch.manual_seed(0)
+    model = Seq()
+    ids, y = torch.randint(1, 20, (5, 9)), torch.randint(0, 3, (5,))
+    data = FixedData(model, ids, y)
+    est, ctx = estimator(model, data, rank=6, refresh=1)
+    params = dict(model.named_parameters())
+    per_ex = {}
+    for i in range(5):
+        loss = F.cross_entropy(model(ids[i:i + 1]), y[i:i + 1])
+        for k, g in zip(params, torch.autograd.grad(loss, list(params.values()))):
+            per_ex.setdefault(k, []).append(g)
+    c0 = next(est.contributions(data, torch.arange(5), ctx))
+    own = dict(c0.projectors)
+    next(est.contributions(data, torch.arange(5), ctx.at(1)))  # the estimator now holds step 1's projectors
+    assert any(own[k].seed != est.current[k].seed for k in own)
+    projected = {}
+    for k, g in per_ex.items():
+        G, pr = torch.stack(g), own.get(k)
+        P = pr.matrix(dtype=torch.float64) if pr is not None else None
+        projected[k] = G if pr is None else (P.T @ G if pr.side == "left" else G @ P)
+    groups = [["emb.weight"], ["ln.weight", "ln.bias"], ["up.weight", "up.bias"], ["down.weight", "down.bias"],
+              ["head.weight", "head.bias"]]
+    expect = clipped_reference(projected, groups, 0.05)
+    got = clip_and_sum_per_layer(c0, 0.05).aggregate
+    for k, v in expect.items():
+        torch.testing.assert_close(got.tensors[k].double(), v, atol=1e-7, rtol=1e-4, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_backward_that_failed_leaves_the_contribution_unreadable(monkeypatch):
+    """Not empty: a retry must not read a zero sum as the batch's clipped sum."""
+    from dpregistry.persample import LinearHandler
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    gs = GradSampler(model, dict(model.named_parameters()))
+    with torch.enable_grad(), gs.capture(5):
+        losses = F.cross_entropy(model(torch.randn(5, 4)), torch.randint(0, 2, (5,)), reduction="none")
+    c = gs.contribution(losses)
+    original = LinearHandler.on_backprop
+
+    def out_of_memory(self, use):
+        raise RuntimeError("out of memory (simulated)")
+    monkeypatch.setattr(LinearHandler, "on_backprop", out_of_memory)
+    with pytest.raises(RuntimeError, match="simulated"):
+        clip_and_sum_per_layer(c, 1.0)
+    monkeypatch.setattr(LinearHandler, "on_backprop", original)
+    for read in (c.norms, lambda: c.clipped_sum_per_layer(1.0), lambda: c.records):
+        with pytest.raises(RuntimeError, match="failed"):
+            read()
+
+
+def test_empty_poisson_batches_pass(tmp_path):
+    """Poisson draws an empty batch now and then (here about one step in three): its sum is zero."""
+    run = make_run({**RECIPE, "sampler": {"name": "poisson", "batch_size": 1}, "train": {"steps": 8}}, tmp_path,
+                   sets=["privatizer.clipping=per_layer"])
+    sizes = []
+    spy = run.privatize_batch
+
+    def record(indices):
+        total = spy(indices)
+        sizes.append(total.count)
+        return total
+    run.privatize_batch = record
+    run.train()
+    assert 0 in sizes and len(sizes) == 8
+
+
+@pytest.mark.parametrize("estimator, message", [
+    ({"name": "per_example_grad", "backend": "functorch"}, "needs per-example gradients from the hooks"),
+    ({"name": "per_example_grad", "passes": 2}, "passes: 2 does not apply"),
+])
+def test_per_layer_clipping_is_refused_before_the_run_starts(tmp_path, estimator, message):
+    recipe = {**RECIPE, "estimator": estimator, "privatizer": {**RECIPE["privatizer"], "clipping": "per_layer"}}
+    with pytest.raises(UserError, match=message) as e:
+        make_run(recipe, tmp_path)
+    assert "recipe.yaml:" in str(e.value)  # located in the recipe (file and line)

@@ -9,6 +9,7 @@ from pydantic import Field
 
 from dpregistry import Privatizer, Release, StageParams, UserError
 from dpregistry.clipping import clip_and_sum, clip_and_sum_per_layer
+from dpregistry.persample import LayerGradients
 from dpregistry.privacy.events import Gaussian, NonPrivate, clipped_sum_sensitivity
 
 
@@ -18,9 +19,9 @@ class GaussianParams(StageParams):
     noise_multiplier: float | Literal["auto"] = Field(
         default="auto", description="std of the noise on the clipped sum ÷ C; auto: calibrated to the budget")
     clipping: Literal["flat", "per_layer"] = Field(
-        default="flat", description="flat: each example's whole gradient to C; per_layer (opt-in): each layer's "
-                                    "to C/√(layers), summed as the backward goes (the memory of a non-private "
-                                    "backward, the same sensitivity C and noise; different, often lower, utility)")
+        default="flat", description="flat: each example's whole gradient to C; per_layer (opt-in, hook estimators): "
+                                    "each layer's to C/√(layers), summed as the backward goes (about the memory of "
+                                    "a non-private backward; the same sensitivity C and noise; another utility)")
 
 
 class GaussianPrivatizer(Privatizer):
@@ -32,6 +33,11 @@ class GaussianPrivatizer(Privatizer):
 
     name = "gaussian"
     Params = GaussianParams
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        if self.cfg.clipping == "per_layer":  # contributions clipped per layer: a hook estimator's
+            self.needs = (LayerGradients,)
 
     def setup(self, ctx):
         self.relation = ctx.relation
@@ -50,9 +56,11 @@ class GaussianPrivatizer(Privatizer):
                                 key="privatizer.clip")
         elif self.noise_multiplier is not None and self.noise_multiplier < 0:
             raise UserError("noise_multiplier must be >= 0", key="privatizer.noise_multiplier")
-        if self.cfg.clipping == "per_layer" and ctx.clips_groups:
-            raise UserError("clipping: per_layer cannot clip a user's examples as one (privacy.unit: user); use "
-                            "clipping: flat", key="privatizer.clipping")
+        if self.cfg.clipping == "per_layer":
+            if ctx.clips_groups:
+                raise UserError("clipping: per_layer cannot clip a user's examples as one (user-level sampling, "
+                                "user_poisson); use clipping: flat", key="privatizer.clipping")
+            ctx.need(LayerGradients)  # the estimator refuses settings that cannot clip per layer
 
     def sensitivity(self) -> float:
         """L2 sensitivity of the clipped sum under the run's relation (2C replace-one, C add/remove)."""
