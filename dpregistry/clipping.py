@@ -31,9 +31,8 @@ def clip_and_sum(contribution, clip: float) -> ClippedSum:
         finite &= torch.isfinite(losses.to(norms.device))
     w = clip_weights(norms, clip, finite)
     agg = contribution.weighted_sum(w)
-    loss_sum = float(losses[finite.to(losses.device)].sum()) if losses is not None and losses.numel() else 0.0
     return ClippedSum(agg, count=int(norms.numel()), clipped=int((finite & (norms > clip)).sum()),
-                      nonfinite=int((~finite).sum()), loss_sum=loss_sum, kind=contribution.kind)
+                      nonfinite=int((~finite).sum()), loss_sum=_loss_sum(losses, finite), kind=contribution.kind)
 
 
 def _clip_groups(contribution, clip: float) -> ClippedSum:
@@ -61,3 +60,24 @@ def _clip_groups(contribution, clip: float) -> ClippedSum:
     return ClippedSum(agg, count=n, clipped=int((finite & (means > clip)).sum()), nonfinite=int((~finite).sum()),
                       loss_sum=loss_sum, kind=contribution.kind)
 
+
+
+def clip_and_sum_per_layer(contribution, clip: float) -> ClippedSum:
+    """Per-layer clipping: each layer's per-example gradient clipped to C/√G (G layers, tied ones
+    merged), summed as the backward reaches it (``HookContribution.clipped_sum_per_layer``). Every
+    example still moves the sum by at most C, so the noise is that of flat clipping at C. The
+    run checked before step 1 that the estimator's contributions allow it (``LayerGradients``)."""
+    if contribution.batch_size == 0:  # an empty Poisson batch: the zero sum
+        return clip_and_sum(contribution, clip)
+    if contribution.groups is not None:
+        raise RuntimeError("per-layer clipping does not clip groups of rows")
+    agg, clipped, dropped = contribution.clipped_sum_per_layer(clip)
+    return ClippedSum(agg, count=int(contribution.n), clipped=int(clipped.sum()), nonfinite=int(dropped.sum()),
+                      loss_sum=_loss_sum(contribution.losses, ~dropped), kind=contribution.kind)
+
+
+def _loss_sum(losses, keep: torch.Tensor) -> float:
+    """The losses of the examples that count (for the step's mean loss)."""
+    if losses is None or not losses.numel():
+        return 0.0
+    return float(losses[keep.to(losses.device)].sum())

@@ -31,6 +31,12 @@ Two ways to the clipped sum (``GradSampler(passes=...)``, the estimators' ``pass
   input-gradient backward of time; the backprops are never held together.
 
 A contribution is summed once: the sum drops the kept state (and the second backward frees the graph).
+Its backward runs when it is first read, not when it is made: per-layer clipping (the opt-in
+``privatizer.clipping: per_layer``) hands it the clip, and each layer's clipped sum is then formed
+inside that one backward as soon as the layer's backprops are in (``_LayerClip``), so a layer's
+state does not outlive its own backward step (a group of layers that share a parameter, or a layer
+called several times, keeps its calls' state until its last call's backprop): the memory of a
+non-private backward, in one pass.
 
 Layers: Linear, Embedding, LayerNorm and Conv1d/2d; any
 other module that owns trainable parameters gets its per-example gradients of those parameters
@@ -53,6 +59,7 @@ lost or counted twice.
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -754,6 +761,8 @@ class GradSampler:
             raise UserError(f"per-example gradients: parameters {sorted(missing)[:3]} are not in a hooked layer")
         self._handler = {id(m): h for m, h, _ in self.layers}
         self._local = {id(m): local for m, _, local in self.layers}
+        #: per-layer clipping's groups: each layer, with the layers that share a parameter with it merged
+        self._group_of, self.n_clip_groups = _layer_groups(self.layers)
         self._uses: dict[int, list[Use]] = {}
         self._handles = []
         self._anchor: torch.Tensor | None = None
@@ -839,9 +848,11 @@ class GradSampler:
         * second of two passes: the backprop is of Σ_i w_i·loss_i, so the layer's plain sum (rows
           of weight 0 masked out, NaN-safe) is its clipped sum; then everything is dropped."""
         p = self._pass
-        if p is None:
+        if p is None or p.mode == "per_layer":
             h.on_backprop(use)
             use.plan = {k: _piece_kind(v) for k, v in use.state.items()}
+            if p is not None:
+                p.clip.arrive(use, h)
         elif p.mode == "norms":
             kept = use.inp, use.args, use.kwargs
             h.on_backprop(use)
@@ -980,10 +991,12 @@ class GradSampler:
         with _random_state_kept(next(iter(self.params.values())).device):
             with torch.enable_grad(), self.capture(n):
                 losses = losses_of(torch.arange(n))
-            self.contribution(losses)
+            self.contribution(losses).backward()
 
     def contribution(self, losses: torch.Tensor, cls: type | None = None, **extra) -> "HookContribution":
-        """Backprops of Σ_i loss_i (non-finite losses are masked out) and the lazy contribution.
+        """The lazy contribution of Σ_i loss_i (non-finite losses are masked out). Its backward runs
+        when it is first read (``HookContribution.backward``): the per-layer clipped sum
+        (``clipped_sum_per_layer``) runs it with the clip in hand, to sum each layer as it goes.
 
         ``cls`` (a HookContribution subclass) and ``extra`` fields let a plugin emit its own space.
         """
@@ -998,7 +1011,7 @@ class GradSampler:
         zero = torch.zeros((), dtype=losses.dtype, device=losses.device)
         total = torch.where(finite, losses, zero).sum()
         anchor, self._anchor = self._anchor, None
-        second = None
+        pending = None
         if uses and total.requires_grad:
             if not self._uses_checked:
                 self._check_uses(uses, total.grad_fn)
@@ -1006,34 +1019,157 @@ class GradSampler:
                 u.call = None  # the check's references into the graph
             if not self._layout_checked and losses.shape[0] > 1:
                 self._probe_layout(losses, finite, anchor)
-            two = self.passes == 2
-            self._pass = _Pass("norms", shared=_shared_names(uses, self._local)) if two else None
-            try:
-                torch.autograd.grad(total, [anchor], allow_unused=True, retain_graph=two)
-            finally:
-                self._probes = self._signs = self._pass = None
-            if two:
-                second = _SecondPass(self, losses, finite, anchor)
+            pending = _Backward(self, uses, losses, finite, total, anchor, (self._probes, self._signs))
+            self._probes = self._signs = None
         self._uses = {}
+        return (cls or HookContribution)(_records=self._records([]), pending=pending, n=losses.shape[0],
+                                         losses=losses.detach(), finite=finite, params=self.params, **extra)
+
+    def _records(self, uses: list[Use]) -> list:
+        """(handler, local names, calls) of each layer, in registration order."""
         by_module: dict[int, list[Use]] = {}
         for u in uses:
             # a call whose tap saw no backprop does not reach the loss: its gradient is zero
             if u.g is not None or u.state or u.sq is not None:
                 by_module.setdefault(id(u.module), []).append(u)
-        records = [(h, local, by_module.get(id(m), [])) for m, h, local in self.layers]
-        return (cls or HookContribution)(records=records, n=losses.shape[0], losses=losses.detach(),
-                                         finite=finite, params=self.params, second=second, **extra)
+        return [(h, local, by_module.get(id(m), [])) for m, h, local in self.layers]
+
+
+@dataclass(frozen=True)
+class LayerGradients:
+    """What the hook estimators offer a privatizer (``provides``): contributions that hold
+    per-example gradients by layer and can be clipped per layer inside their backward
+    (``HookContribution.clipped_sum_per_layer``). ``groups``: the layer groups, G."""
+
+    groups: int
+
+
+def layer_gradients(sampler: "GradSampler | None") -> LayerGradients:
+    """A hook estimator's ``provide(LayerGradients)``: refused, naming the estimator setting, where
+    its contributions cannot be clipped per layer."""
+    if sampler is None:
+        raise UserError("clipping: per_layer needs per-example gradients from the hooks (backend: hooks, an "
+                        "objective with a torch module)", key="estimator.backend")
+    if sampler.passes == 2:
+        raise UserError("clipping: per_layer clips each layer inside one backward; passes: 2 does not apply",
+                        key="estimator.passes")
+    return LayerGradients(sampler.n_clip_groups)
+
+
+class _Backward:
+    """A hook contribution's backward of Σ_i loss_i, waiting for its first reader. Runs once."""
+
+    def __init__(self, sampler: "GradSampler", uses, losses, finite, total, anchor, probes):
+        self.sampler, self.uses, self.losses, self.finite = sampler, uses, losses, finite
+        self.total, self.anchor, self.probes = total, anchor, probes
+
+    def __call__(self, clip: "_LayerClip | None" = None):
+        """(records, the second pass or None). With ``clip``, each layer's clipped sum is formed as
+        its backprops arrive and its state dropped; the sampler's ``passes`` does not apply."""
+        s, total, self.total = self.sampler, self.total, None
+        two = s.passes == 2 and clip is None
+        if clip is not None:
+            s._pass = _Pass("per_layer", clip=clip)
+        elif two:
+            s._pass = _Pass("norms", shared=_shared_names(self.uses, s._local))
+        s._probes, s._signs = self.probes
+        try:
+            torch.autograd.grad(total, [self.anchor], allow_unused=True, retain_graph=two)
+        finally:
+            s._probes = s._signs = s._pass = None
+        if clip is not None:
+            clip.finish()
+        second = _SecondPass(s, self.losses, self.finite, self.anchor) if two else None
+        return s._records(self.uses), second
+
+
+def _layer_groups(layers) -> tuple[dict[int, int], int]:
+    """Each layer's group for per-layer clipping (by ``id`` of its module) and the number of groups:
+    one per layer, except that layers reaching a common parameter (a tied table) form one group, so
+    that the groups split the coordinates and the per-group bounds add up in squares."""
+    parent = list(range(len(layers)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    holder: dict[str, int] = {}
+    for i, (_, _, local) in enumerate(layers):
+        for name in local.values():
+            j = holder.setdefault(name, i)
+            parent[root(i)] = root(j)
+    roots: dict[int, int] = {}
+    group = {id(m): roots.setdefault(root(i), len(roots)) for i, (m, _, _) in enumerate(layers)}
+    return group, len(roots)
+
+
+class _LayerClip:
+    """Per-layer clipping inside the backward (McMahan et al. 2018, §3; He et al. 2022, "group-wise
+    clipping"): each group's per-example gradient is clipped to C_g = C/√G when its last call's
+    backprop arrives, summed, and its state dropped. The groups split the coordinates, so example
+    i's whole clipped gradient has norm² Σ_g min(‖G_i^g‖, C_g)² ≤ G·C²/G = C²: the sensitivity of
+    flat clipping at C. An example whose loss is not finite is dropped; one whose norm in a group is
+    not finite loses that group (weight 0, NaN-safe) and keeps the others, each still bounded."""
+
+    def __init__(self, sampler: "GradSampler", uses: list[Use], clip: float, finite: torch.Tensor):
+        self.sampler, self.finite = sampler, finite
+        self.clip = clip / sampler.n_clip_groups ** 0.5
+        self.expected = Counter(sampler._group_of[id(u.module)] for u in uses)
+        self.arrived: dict[int, list] = {}
+        self.sums: dict[str, torch.Tensor] = {}
+        self.clipped = torch.zeros_like(finite)
+        self.dropped = ~finite
+
+    def arrive(self, use: Use, h: LayerHandler) -> None:
+        g = self.sampler._group_of[id(use.module)]
+        calls = self.arrived.setdefault(g, [])
+        calls.append((use, h))
+        if len(calls) == self.expected[g]:
+            self._close(g)
+
+    def finish(self) -> None:
+        """Close the groups some of whose calls saw no backprop (they do not reach the loss)."""
+        for g in list(self.arrived):
+            self._close(g)
+
+    def _close(self, g: int) -> None:
+        from .clipping import clip_weights
+
+        calls = self.arrived.pop(g)
+        pieces: dict[str, list[Piece]] = {}
+        for use, h in calls:
+            local = self.sampler._local[id(use.module)]
+            for k, v in h.pieces(use).items():
+                pieces.setdefault(local[k], []).append(v)
+        sq = sum(_sq_of_sum(ps) for ps in pieces.values())
+        norms = sq.sqrt()
+        finite = self.finite.to(norms.device)
+        ok = finite & torch.isfinite(norms)
+        w = clip_weights(norms, self.clip, ok)
+        self.clipped |= (ok & (norms > self.clip)).to(self.clipped.device)
+        self.dropped |= (~ok).to(self.dropped.device)
+        del pieces
+        for use, h in calls:
+            local = self.sampler._local[id(use.module)]
+            for k, v in h.weighted(use, w).items():
+                name = local[k]
+                self.sums[name] = self.sums[name] + v if name in self.sums else v
+            use.drop()
 
 
 @dataclass
 class _Pass:
     """Which backward pass is running (``GradSampler._serve``): "norms" (the first of two; the
-    names of parameters that several calls reach keep their pieces) or "sums" (the second;
-    ``mask`` is 1 for the examples that count, 0 for those of weight 0)."""
+    names of parameters that several calls reach keep their pieces), "sums" (the second;
+    ``mask`` is 1 for the examples that count, 0 for those of weight 0) or "per_layer" (the one
+    backward of per-layer clipping, ``clip`` sums each group as it completes)."""
 
     mode: str
     shared: frozenset = frozenset()
     mask: torch.Tensor | None = None
+    clip: "_LayerClip | None" = None
 
 
 def _shared_names(uses: list[Use], local: dict[int, dict[str, str]]) -> frozenset:
@@ -1070,6 +1206,10 @@ class _SecondPass:
             s._pass = None
 
 
+#: ``HookContribution.pending`` of a contribution whose backward raised
+_FAILED = object()
+
+
 @dataclass
 class HookContribution(DenseContribution):
     """Dense per-example gradients, held as compact per-layer state (see the module docstring).
@@ -1078,7 +1218,9 @@ class HookContribution(DenseContribution):
     reached) and ``_aggregate``.
     """
 
-    records: list = field(default_factory=list)
+    _records: list = field(default_factory=list)
+    #: the backward not yet run (see ``backward``)
+    pending: "_Backward | None" = None
     n: int = 0
     finite: torch.Tensor | None = None
     params: dict = field(default_factory=dict)  # for zero sums of layers this batch did not reach
@@ -1090,6 +1232,50 @@ class HookContribution(DenseContribution):
     @property
     def batch_size(self) -> int:
         return self.n
+
+    def backward(self) -> None:
+        """Run the pending backward (once): the layers' handlers keep their state for the norms and
+        the sum (or take the norms², in the first of two passes)."""
+        if self.pending is not None:
+            self._run_backward()
+
+    def _run_backward(self, clip: "_LayerClip | None" = None) -> None:
+        """The pending backward, with per-layer clipping when ``clip`` is given. A backward that
+        fails leaves the contribution unreadable, not empty."""
+        if self.pending is _FAILED:
+            raise RuntimeError("the backward of this contribution failed; it cannot be read")
+        pending, self.pending = self.pending, _FAILED
+        self._records, self.second = pending(clip)
+        self.pending = None
+
+    @property
+    def records(self) -> list:
+        """(handler, local names, calls) of each layer, after the backward."""
+        self.backward()
+        return self._records
+
+    def clipped_sum_per_layer(self, clip: float) -> tuple[Aggregate, torch.Tensor, torch.Tensor]:
+        """Per-layer clipping (``_LayerClip``): Σ_i Σ_g min(1, C_g/‖G_i^g‖)·G_i^g with C_g = C/√G over
+        the sampler's G groups, each group summed and dropped as soon as its backprops are in, so no
+        layer's state waits for the others (the memory of a non-private backward). Taken once,
+        instead of the norms and the weighted sum. Returns the sum, which examples some group
+        clipped, and which were dropped whole or in part (a loss or a group norm not finite)."""
+        if self.pending is _FAILED:
+            self._run_backward()  # raises: the backward failed
+        if self.pending is None and (self._spent or any(uses for _, _, uses in self._records)):
+            raise RuntimeError("per-layer clipping runs the contribution's backward: it is taken once, before any "
+                               "norm or sum")
+        self._spent = True
+        finite = self.finite if self.finite is not None else torch.ones(self.n, dtype=torch.bool)
+        if self.pending is None:
+            clipped, dropped, sums = torch.zeros_like(finite), ~finite, {}
+        else:
+            layer_clip = _LayerClip(self.pending.sampler, self.pending.uses, clip, finite)
+            self._run_backward(layer_clip)
+            clipped, dropped, sums = layer_clip.clipped, layer_clip.dropped, layer_clip.sums
+        agg = self._aggregate({name: sums[name] if name in sums else self._zero(name, p)
+                               for name, p in self.params.items()})
+        return agg, clipped, dropped
 
     def _zero(self, name: str, p: torch.Tensor) -> torch.Tensor:
         return torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=p.device)
@@ -1115,6 +1301,7 @@ class HookContribution(DenseContribution):
     def group_norms(self, groups, n_groups):
         """‖Σ_{i in g} G_i‖ per group, from the regrouped pieces: no per-example gradient of a layer
         kept as factors or rows is formed."""
+        self.backward()
         if self.second is not None or self._spent:
             raise RuntimeError("the norms of groups need the per-example pieces, which a two-pass contribution or a "
                                "weighted sum has dropped")
@@ -1139,6 +1326,7 @@ class HookContribution(DenseContribution):
 
     def norms(self):
         if self._sq is None:
+            self.backward()
             if self._spent:
                 raise RuntimeError("a contribution's norms are taken before its weighted sum (the sum drops the "
                                    "per-example state)")
@@ -1166,6 +1354,7 @@ class HookContribution(DenseContribution):
         registered): at once within a layer, and those of a parameter that several layers reach
         (a tied table) at the end. In the two-pass mode this runs the second backward, which frees
         the graph."""
+        self.backward()
         if self._spent:
             raise RuntimeError("a contribution's weighted sum is taken once (its per-example state is dropped as "
                                "the sum is formed)")

@@ -179,7 +179,7 @@ class Run:
         """Every type a stage declares in ``needs`` has a provider (checked before any setup)."""
         self._provider_map = self._providers()
         for kind, stage in self.stages.items():
-            for t in type(stage).needs:
+            for t in stage.needs:
                 if t not in self._provider_map:
                     raise UserError(f"{kind} {stage.name!r} needs {t.__name__}, which no stage of this recipe "
                                     f"provides{_providers_of(t)}", key=SECTION_OF[kind])

@@ -112,7 +112,8 @@ class Stage:
     #: a dataclass of what the stage keeps across steps (tensors and JSON-able values); the run
     #: saves its fields in every checkpoint and restores them on resume (None: stateless)
     State: ClassVar[type | None] = None
-    #: types this stage reads with ``ctx.need(T)`` (checked before step 1: each has one provider)
+    #: types this stage reads with ``ctx.need(T)`` (checked before step 1: each has one provider; an
+    #: instance may add to them from its settings)
     needs: ClassVar[tuple[type, ...]] = ()
     #: types this stage returns from ``provide(T)``
     provides: ClassVar[tuple[type, ...]] = ()

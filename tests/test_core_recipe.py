@@ -34,7 +34,7 @@ def test_preset_defaults_are_merged_and_resolved(recipe_file):
     # the preset's estimator and accountant, the recipe's privatizer keys merged over the preset's
     assert r.data["estimator"] == {"name": "per_example_grad", "backend": "auto", "passes": 1}
     assert r.data["accountant"]["name"] == "rdp"
-    assert r.data["privatizer"] == {"name": "gaussian", "clip": 1.0, "noise_multiplier": 1.5}
+    assert r.data["privatizer"] == {"name": "gaussian", "clip": 1.0, "noise_multiplier": 1.5, "clipping": "flat"}
     assert r.data["update"]["name"] == "adam" and r.data["update"]["lr"] == 0.01
     assert r.data["update"]["betas"] == [0.9, 0.999]  # defaults filled in
     assert r.train.log_every == 10 and r.privacy.relation == "replace_one"

@@ -369,7 +369,7 @@ def test_the_layout_check_keeps_a_sketch_of_each_backprop_not_a_copy(monkeypatch
     monkeypatch.setattr(GradSampler, "_check_layout", spy)
     with torch.enable_grad(), gs.capture(4):
         losses = model(x).pow(2).sum((1, 2))
-    gs.contribution(losses)
+    gs.contribution(losses).backward()  # (a contribution runs its backward when first read)
     assert len(kept) == 2 and all(sketch == 4 * 8 * 4 and backprop == 4 * 8 * 64 for sketch, backprop in kept)
 
 

@@ -240,9 +240,14 @@ def test_no_weight_gradient_is_computed():
     m = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
     params = dict(m.named_parameters())
     gs = GradSampler(m, params)
+    x = torch.randn(4, 3)
     with torch.enable_grad(), gs.capture(4):
-        losses = m(torch.randn(4, 3)).squeeze(-1)
-    gs.contribution(losses)
+        losses = m(x).squeeze(-1)
+    c = gs.contribution(losses)
+    c.weighted_sum(c.norms())  # (a contribution runs its backward when first read)
+    with torch.enable_grad(), gs.capture(4):
+        losses = m(x).squeeze(-1)
+    gs.contribution(losses).clipped_sum_per_layer(1.0)
     assert all(p.grad is None for p in m.parameters())
 
 

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from dpregistry import Estimator, Objective, StageParams, UserError
 from dpregistry.directions import Direction
-from dpregistry.persample import PASSES_HELP, GradSampler, check_passes
+from dpregistry.persample import PASSES_HELP, GradSampler, LayerGradients, check_passes, layer_gradients
 from dpregistry.zeroth_order import central_differences
 from dpregistry.spaces import DENSE, SEEDED_DIRECTION, DenseContribution, DirectionContribution, acc_dtype
 
@@ -39,6 +39,7 @@ class PerExampleGrad(Estimator):
     space = DENSE
     Params = PerExampleGradParams
     needs = (Objective,)
+    provides = (LayerGradients,)  # for per-layer clipping (the hooks backend)
 
     def setup(self, ctx):
         objective = ctx.need(Objective)
@@ -57,6 +58,9 @@ class PerExampleGrad(Estimator):
         self.sampler = GradSampler(module, ctx.params, passes=self.cfg.passes) if backend == "hooks" else None
         if self.sampler is not None:
             self.sampler.check_model(objective.losses, objective.n_train)
+
+    def provide(self, kind):
+        return layer_gradients(self.sampler)
 
     def contributions(self, objective, indices, ctx):
         if len(indices) == 0:

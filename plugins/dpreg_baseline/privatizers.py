@@ -8,7 +8,8 @@ from typing import Literal
 from pydantic import Field
 
 from dpregistry import Privatizer, Release, StageParams, UserError
-from dpregistry.clipping import clip_and_sum
+from dpregistry.clipping import clip_and_sum, clip_and_sum_per_layer
+from dpregistry.persample import LayerGradients
 from dpregistry.privacy.events import Gaussian, NonPrivate, clipped_sum_sensitivity
 
 
@@ -17,6 +18,10 @@ class GaussianParams(StageParams):
                         description="per-example L2 bound C, in the estimator's space (inf: no clipping)")
     noise_multiplier: float | Literal["auto"] = Field(
         default="auto", description="std of the noise on the clipped sum ÷ C; auto: calibrated to the budget")
+    clipping: Literal["flat", "per_layer"] = Field(
+        default="flat", description="flat: each example's whole gradient to C; per_layer (opt-in, hook estimators): "
+                                    "each layer's to C/√(layers), summed as the backward goes (about the memory of "
+                                    "a non-private backward; the same sensitivity C and noise; another utility)")
 
 
 class GaussianPrivatizer(Privatizer):
@@ -28,6 +33,11 @@ class GaussianPrivatizer(Privatizer):
 
     name = "gaussian"
     Params = GaussianParams
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        if self.cfg.clipping == "per_layer":  # contributions clipped per layer: a hook estimator's
+            self.needs = (LayerGradients,)
 
     def setup(self, ctx):
         self.relation = ctx.relation
@@ -46,12 +56,19 @@ class GaussianPrivatizer(Privatizer):
                                 key="privatizer.clip")
         elif self.noise_multiplier is not None and self.noise_multiplier < 0:
             raise UserError("noise_multiplier must be >= 0", key="privatizer.noise_multiplier")
+        if self.cfg.clipping == "per_layer":
+            if ctx.clips_groups:
+                raise UserError("clipping: per_layer cannot clip a user's examples as one (user-level sampling, "
+                                "user_poisson); use clipping: flat", key="privatizer.clipping")
+            ctx.need(LayerGradients)  # the estimator refuses settings that cannot clip per layer
 
     def sensitivity(self) -> float:
         """L2 sensitivity of the clipped sum under the run's relation (2C replace-one, C add/remove)."""
         return clipped_sum_sensitivity(self.cfg.clip, self.relation)
 
     def clip_sum(self, contribution):
+        if self.cfg.clipping == "per_layer":
+            return clip_and_sum_per_layer(contribution, self.cfg.clip)
         return clip_and_sum(contribution, self.cfg.clip)
 
     def _events(self, std: float):

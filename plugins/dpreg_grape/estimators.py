@@ -17,15 +17,15 @@ and unprojected coordinates together and adds noise to each of them (spec §1.2)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
 from torch import nn
 
 from dpregistry import Estimator, Objective, StageParams, UserError
-from dpregistry.persample import (PASSES_HELP, EmbeddingHandler, GradSampler, HookContribution, LinearHandler, Outer,
-                                 check_passes, handler_for)
+from dpregistry.persample import (PASSES_HELP, EmbeddingHandler, GradSampler, HookContribution, LayerGradients,
+                                  LinearHandler, Outer, check_passes, handler_for, layer_gradients)
 from dpregistry.spaces import PROJECTED, ProjectedAggregate, Projector, acc_dtype
 
 from .projection import LayerSelection, make_projector, period, projected_shape
@@ -37,6 +37,19 @@ class ProjectedHookContribution(HookContribution):
 
     space: ClassVar[str] = PROJECTED
     projectors: dict[str, Projector] = field(default_factory=dict)
+    #: the estimator whose ``current`` projectors the handlers read as the backward reaches them
+    owner: Any = field(default=None, repr=False)
+
+    def _run_backward(self, clip=None):
+        # the backward runs when the contribution is first read: project with its own step's P even
+        # if the estimator has moved on to another step's
+        if self.owner is None:
+            return super()._run_backward(clip)
+        kept, self.owner.current = self.owner.current, self.projectors
+        try:
+            super()._run_backward(clip)
+        finally:
+            self.owner.current = kept
 
     def _zero(self, name, p):
         pr = self.projectors.get(name)
@@ -132,6 +145,7 @@ class ProjectedPerExampleGrad(Estimator):
     space = PROJECTED
     Params = ProjectedParams
     needs = (Objective,)
+    provides = (LayerGradients,)
 
     def setup(self, ctx):
         objective = ctx.need(Objective)
@@ -151,6 +165,9 @@ class ProjectedPerExampleGrad(Estimator):
         check_passes(self.cfg.passes, ctx)
         self.sampler = GradSampler(module, ctx.params, handler_for=self._handler_for, passes=self.cfg.passes)
         self.sampler.check_model(objective.losses, objective.n_train)
+
+    def provide(self, kind):
+        return layer_gradients(self.sampler)
 
     def _handler_for(self, module):
         name = self.projected.get(id(module))
@@ -177,7 +194,7 @@ class ProjectedPerExampleGrad(Estimator):
             with torch.enable_grad(), self.sampler.capture(len(chunk)):
                 losses = objective.losses(chunk)
             yield self.sampler.contribution(losses, cls=ProjectedHookContribution, projectors=self.current,
-                                            indices=chunk)
+                                            owner=self, indices=chunk)
 
 
 ESTIMATORS = (ProjectedPerExampleGrad,)
