@@ -27,6 +27,9 @@ class GaussianParams(StageParams):
 class GaussianPrivatizer(Privatizer):
     """Clip each example to norm C in its space, sum, add N(0, (zC)²) per coordinate, divide by E[B].
 
+    ``clipping: per_layer`` (opt-in, hook estimators) clips each layer's part to C/√G instead, inside
+    the backward; the sum's sensitivity is still C (``dpregistry.persample._LayerClip``).
+
     In the seeded-direction space (DPZero) the contribution is one scalar per example, so this is
     DPZero's scalar clip with one scalar noise draw; in the dense space it is DP-SGD's.
     """
