@@ -46,7 +46,7 @@ def _run(cfg: dict, grads, stds) -> tuple[dict[str, torch.Tensor], Adam]:
 
 
 def _dp_adambc(grads, stds, lr, floor, weight_decay=0.0):
-    """Alg. 1 of the paper, written out: m̂ = m/(1−β1^t), v̂ = v/(1−β2^t), x ← x − lr·m̂/√max(v̂ − Φ̄, γ'),
+    """The paper's update, written out: m̂ = m/(1−β1^t), v̂ = v/(1−β2^t), x ← x − lr·m̂/√max(v̂ − Φ̄, γ'),
     with Φ̄ the β2-average of the releases' noise variances (Φ when it is constant). Returns the
     parameters and how many coordinate-steps were floored and how many were not."""
     b1, b2 = BETAS
@@ -127,12 +127,14 @@ def test_the_corrected_step_in_blocks_is_the_whole_tensor_step_bit_for_bit(monke
     assert torch.equal(x, expect)
 
 
-def test_settings_that_mean_nothing_are_refused():
+def test_a_floor_without_the_correction_is_refused():
     with pytest.raises(ValueError, match="variance_floor applies only with noise_correction"):
         Adam.Params(lr=1e-2, variance_floor=1e-6)
-    with pytest.raises(ValueError, match="eps has no effect with noise_correction"):
-        Adam.Params(lr=1e-2, eps=1e-6, noise_correction=True)
-    assert Adam(Adam.Params(lr=1e-2, noise_correction=True)).needs == (NoiseStd,)
+    on = Adam.Params(lr=1e-2, noise_correction=True)
+    assert on.floor == 1e-8 and Adam(on).needs == (NoiseStd,)
+    # a resolved recipe (every default written out) reads back as the same settings
+    assert Adam.Params(**on.model_dump()) == on
+    assert Adam.Params(**Adam.Params(lr=1e-2).model_dump()).floor == 1e-8
 
 
 SMALL = ["privacy.noise=reproducible", "train.steps=6", "train.eval_every=null", "train.checkpoint_every=null",
@@ -167,3 +169,33 @@ def test_a_privatizer_that_states_no_noise_is_refused_before_anything_is_written
     assert not (tmp_path / "run").exists()
     recipe["update"]["noise_correction"] = False  # the same recipe without the correction runs
     assert dpregistry.train(recipe, verbose=False).summary["step"] == 2
+
+
+def test_a_resumed_corrected_run_is_the_straight_run_bit_for_bit(tmp_path):
+    """The moving average of Φ is checkpointed with the moments: a crash and a resume change nothing."""
+    from conftest import make_run
+    from dpregistry.folder import resume_run
+
+    recipe = {"seed": 3, "algorithm": "dp_adam",
+              "objective": {"name": "tabular", "model": {"kind": "mlp", "hidden": [16]}, "data": {"dataset": "wine"}},
+              "sampler": {"name": "poisson", "batch_size": 16}, "privatizer": {"clip": 1.0, "noise_multiplier": "auto"},
+              "update": {"lr": 0.01, "noise_correction": True, "variance_floor": 1e-4},
+              "privacy": {"epsilon": 8.0, "delta": 1e-3, "noise": "reproducible"},
+              "train": {"steps": 8, "checkpoint_every": 3}}
+    straight = make_run(recipe, tmp_path, out=tmp_path / "a")
+    straight.train()
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_5(run, metrics):
+        if run.step == 5:
+            raise Crash
+
+    with pytest.raises(Crash):
+        make_run(recipe, tmp_path, out=tmp_path / "b").train(progress=crash_at_5)
+    resumed = resume_run(tmp_path / "b")
+    assert resumed.step == 3 and resumed.update_rule.state.noise_var > 0
+    resumed.train()
+    assert all(torch.equal(straight.params[k], resumed.params[k]) for k in straight.params)
+    assert resumed.update_rule.state.noise_var == straight.update_rule.state.noise_var

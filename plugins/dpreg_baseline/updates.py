@@ -71,17 +71,20 @@ class AdamParams(StageParams):
     noise_correction: bool = Field(
         default=False, description="DP-AdamBC: subtract the privacy noise's variance Φ = noise_std² from Adam's "
                                    "second moment (post-processing; the privacy is unchanged)")
-    variance_floor: float = Field(
-        default=1e-8, gt=0, description="γ' of DP-AdamBC: the corrected second moment is floored here (√γ' is the "
-                                        "smallest denominator; it takes eps's place, as eps² would)")
+    variance_floor: float | None = Field(
+        default=None, gt=0, description="γ' of DP-AdamBC (default 1e-8): the corrected second moment is floored "
+                                        "here, so √γ' is the smallest denominator; it takes eps's place (eps is "
+                                        "unused with noise_correction)")
 
     @model_validator(mode="after")
-    def _floor_and_eps_belong_to_one_form(self):
-        if "variance_floor" in self.model_fields_set and not self.noise_correction:
+    def _floor_needs_the_correction(self):
+        if self.variance_floor is not None and not self.noise_correction:
             raise ValueError("variance_floor applies only with noise_correction: true")
-        if "eps" in self.model_fields_set and self.noise_correction:
-            raise ValueError("eps has no effect with noise_correction: true (variance_floor takes its place)")
         return self
+
+    @property
+    def floor(self) -> float:
+        return 1e-8 if self.variance_floor is None else self.variance_floor
 
     def lr_of(self, name: str) -> float:
         return self.lr * next((f for pattern, f in self.lr_scale.items() if re.search(pattern, name)), 1.0)
@@ -92,11 +95,11 @@ class Adam(UpdateRule):
 
     (eps sits on √v without bias correction; it equals torch's eps·√(1−β2^t).) Lifts any space.
 
-    ``noise_correction``: DP-AdamBC (Tang, Shpilevskiy, Lécuyer, AAAI 2024, arXiv 2312.14334, Alg. 1).
+    ``noise_correction``: DP-AdamBC (Tang, Shpilevskiy, Lécuyer, AAAI 2024, arXiv 2312.14334).
     The released mean gradient carries Gaussian noise of variance Φ = noise_std² per coordinate
     (σC/B), so v̂ = v/(1−β2^t) estimates E[g]² + Var(g) + Φ; once Φ dominates, √v̂ is a constant and
     Adam is SGD at another learning rate. The step becomes x ← x − lr/(1−β1^t)·m/√max(v̂ − Φ̄, γ')
-    with γ' = ``variance_floor`` in place of eps, and Φ̄ the same moving average of the releases'
+    with γ' = ``variance_floor`` (1e-8) in place of eps, and Φ̄ the same moving average of the releases'
     Φ as v's (Φ itself when the noise is constant). Φ is read from each release's
     ``stats["noise_std"]``: only the privatizer knows it.
     """
@@ -135,7 +138,7 @@ class Adam(UpdateRule):
         if phi is not None:
             s.noise_var = b2 * s.noise_var + (1 - b2) * phi
             v_scale = 1 - b2 ** s.t
-            noise = (v_scale, s.noise_var / v_scale, self.cfg.variance_floor)
+            noise = (v_scale, s.noise_var / v_scale, self.cfg.floor)
         for k, x in params.items():
             g = grads[k].to(acc_dtype(x.dtype))
             if k not in s.m:
