@@ -20,8 +20,7 @@ from .hookspecs import hookimpl  # noqa: E402
 #: public name -> the module that defines it (a module itself when the name is the module's)
 _LAZY = {
     **dict.fromkeys(["Algorithm", "Charge", "ClippedSum", "Estimator", "NoiseStd", "Objective", "Privatizer",
-                     "Release",
-                     "Sampler", "Stage", "StageParams", "Stages", "StepResult", "UpdateRule"], ".stages"),
+                     "Release", "Sampler", "Stage", "StageParams", "Stages", "StepResult", "UpdateRule"], ".stages"),
     "Context": ".context",
     **dict.fromkeys(["train", "resume", "Result", "Stopped", "Terminated"], ".api"),
     "Accountant": ".privacy.accountant",
