@@ -19,8 +19,8 @@ from .hookspecs import hookimpl  # noqa: E402
 
 #: public name -> the module that defines it (a module itself when the name is the module's)
 _LAZY = {
-    **dict.fromkeys(["Algorithm", "Charge", "ClippedSum", "Estimator", "Objective", "Privatizer", "Release",
-                     "Sampler", "Stage", "StageParams", "Stages", "StepResult", "UpdateRule"], ".stages"),
+    **dict.fromkeys(["Algorithm", "Charge", "ClippedSum", "Estimator", "NoiseStd", "Objective", "Privatizer",
+                     "Release", "Sampler", "Stage", "StageParams", "Stages", "StepResult", "UpdateRule"], ".stages"),
     "Context": ".context",
     **dict.fromkeys(["train", "resume", "Result", "Stopped", "Terminated"], ".api"),
     "Accountant": ".privacy.accountant",
@@ -48,6 +48,6 @@ def __dir__() -> list[str]:
 __all__ = [
     "__version__", "hookimpl", "UserError", "BudgetExhausted",
     "Stage", "StageParams", "Objective", "Sampler", "Estimator", "Privatizer", "UpdateRule",
-    "Accountant", "Algorithm", "Budget", "Charge", "ClippedSum", "Release", "StepResult",
+    "Accountant", "Algorithm", "Budget", "Charge", "ClippedSum", "NoiseStd", "Release", "StepResult",
     "Stages", "Context", "events", "spaces", "StagePlugin", "train", "resume", "Result", "Stopped", "Terminated",
 ]

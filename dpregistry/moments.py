@@ -8,6 +8,7 @@ size (for an embedding table that transient was hundreds of MiB).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -33,11 +34,25 @@ def ratio(m: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.div(m, out.add_(eps), out=out)
 
 
-def sub_ratio_(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, eps: float, alpha: float) -> None:
-    """x ← x − α·m/(√v + eps) in place, ``BLOCK`` elements at a time; x may be narrower than m."""
+def noise_corrected_ratio(m: torch.Tensor, v: torch.Tensor, v_scale: float, phi: float, floor: float) -> torch.Tensor:
+    """m/√max(v/v_scale − Φ, γ') in one new tensor: DP-AdamBC's step direction (see ``sub_ratio_``)."""
+    out = v.div(v_scale).sub_(phi).clamp_(min=floor).sqrt_()
+    return torch.div(m, out, out=out)
+
+
+def sub_ratio_(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, eps: float, alpha: float,
+               noise: tuple[float, float, float] | None = None) -> None:
+    """x ← x − α·m/(√v + eps) in place, ``BLOCK`` elements at a time; x may be narrower than m.
+
+    ``noise = (v_scale, Φ, γ')``: x ← x − α·m/√max(v/v_scale − Φ, γ') instead (DP-AdamBC; eps unused).
+    """
+    if noise is None:
+        direction = functools.partial(ratio, eps=eps)
+    else:
+        direction = functools.partial(noise_corrected_ratio, v_scale=noise[0], phi=noise[1], floor=noise[2])
     if not all(t.is_contiguous() for t in (x, m, v)):
-        x.sub_(ratio(m, v, eps).mul_(alpha).to(x.dtype))
+        x.sub_(direction(m, v).mul_(alpha).to(x.dtype))
         return
     xs, ms, vs = x.view(-1), m.view(-1), v.view(-1)
     for i in range(0, xs.numel(), BLOCK):
-        xs[i:i + BLOCK].sub_(ratio(ms[i:i + BLOCK], vs[i:i + BLOCK], eps).mul_(alpha).to(x.dtype))
+        xs[i:i + BLOCK].sub_(direction(ms[i:i + BLOCK], vs[i:i + BLOCK]).mul_(alpha).to(x.dtype))

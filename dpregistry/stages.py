@@ -306,6 +306,13 @@ class Release:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class NoiseStd:
+    """A privatizer's word that each of its releases states ``stats["noise_std"]``: the std of the
+    Gaussian noise on every coordinate of the released value (σ·C/E[B] for a privatized mean).
+    An update rule that corrects for the noise (Adam's ``noise_correction``) needs it."""
+
+
 class Privatizer(Stage):
     """Clips per-example contributions in their space, sums, and adds noise once per step."""
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from dpregistry import Privatizer, Release, StageParams, UserError
+from dpregistry import NoiseStd, Privatizer, Release, StageParams, UserError
 from dpregistry.clipping import clip_and_sum, clip_and_sum_per_layer
 from dpregistry.persample import LayerGradients
 from dpregistry.privacy.events import Gaussian, NonPrivate, clipped_sum_sensitivity
@@ -36,6 +36,7 @@ class GaussianPrivatizer(Privatizer):
 
     name = "gaussian"
     Params = GaussianParams
+    provides = (NoiseStd,)  # every release states noise_std
 
     def __init__(self, params=None):
         super().__init__(params)
@@ -50,6 +51,9 @@ class GaussianPrivatizer(Privatizer):
     @property
     def calibrates(self):
         return self.cfg.noise_multiplier == "auto"
+
+    def provide(self, kind):
+        return NoiseStd()
 
     def validate(self, ctx):
         if not math.isfinite(self.cfg.clip):
