@@ -1,4 +1,5 @@
-"""End-to-end privacy audits: four mechanisms as a recipe builds them, and three ways to break each.
+"""End-to-end privacy audits: five mechanisms as a recipe builds them, and three ways to break each
+(per-layer clipping has a fourth: a bound of C per layer, ``test_audit_catches_a_per_layer_bound_of_c``).
 
 Each audit prepares a real run (sampler, estimator, clipping, privatizer, calibration and
 accountant, as a user gets them) whose objective holds two neighbouring data sets, D and D' (the
@@ -43,6 +44,7 @@ from conftest import make_run
 from dpregistry import StagePlugin, StageParams
 from dpregistry.audit import epsilon_lower_bound, projections, trial_sums
 from dpregistry.objectives import TorchObjective
+from dpregistry.persample import _LayerClip
 from dpregistry.privacy.secret import SecretStream
 from dpregistry.stages import ClippedSum, Release
 from dpreg_baseline.privatizers import GaussianPrivatizer
@@ -64,6 +66,8 @@ class CanaryParams(StageParams):
     loss: Literal["squared", "linear"] = Field(
         default="squared", description="½‖Wx − y‖², or −yᵀWx (Lipschitz, for the nonsmooth oracles)")
     scale: float = Field(default=100.0, description="the slot's input x = scale·e_last: far beyond any clip")
+    branches: int = Field(default=1, ge=1, description="W x summed over this many parallel layers (per-layer "
+                                                      "clipping: the slot's gradient is split among them)")
 
 
 class CanaryRegression(TorchObjective):
@@ -86,8 +90,10 @@ class CanaryRegression(TorchObjective):
         self.x[-1, -1] = p.scale
         self.y = torch.randn(p.n, p.outputs, generator=g)
         self.n_train = p.n
-        self.model = nn.Linear(p.features, p.outputs, bias=False)
-        nn.init.zeros_(self.model.weight)
+        layers = [nn.Linear(p.features, p.outputs, bias=False) for _ in range(p.branches)]
+        for layer in layers:
+            nn.init.zeros_(layer.weight)
+        self.model = layers[0] if p.branches == 1 else Branches(layers)
         self.which = 0
 
     @contextmanager
@@ -112,6 +118,18 @@ class CanaryRegression(TorchObjective):
     def functional_losses(self, params, indices):
         out = torch.func.functional_call(self.model, params, (self.x[indices],))
         return self._loss(out, self._targets(indices))
+
+
+class Branches(nn.Module):
+    """Σ_b W_b x: at W = 0 every branch gets the same gradient, so under per-layer clipping each
+    carries C/√G of the slot's 2C and the clipped sums still differ by exactly 2C."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.branches = nn.ModuleList(layers)
+
+    def forward(self, x):
+        return sum(layer(x) for layer in self.branches)
 
 
 class GaussianSensitivityC(GaussianPrivatizer):
@@ -149,6 +167,20 @@ def _off_by_one(clip_weights):
         w[-1:] = finite[-1:].to(w.dtype)  # the last example keeps its norm
         return w
     return weights
+
+
+@contextmanager
+def layer_bound_c():
+    """Broken per-layer clipping: every layer clipped to C instead of C/√G (G = 4 here: the slot's
+    sums then differ by 2√G·C = 4C against the 2C the noise is calibrated to)."""
+    init = _LayerClip.__init__
+
+    def bound_c(self, sampler, uses, clip, finite):
+        init(self, sampler, uses, clip, finite)
+        self.clip = clip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_LayerClip, "__init__", bound_c)
+        yield
 
 
 @contextmanager
@@ -214,7 +246,7 @@ class Stages:
 
 
 # ------------------------------------------------------------------------------------------------
-# the four mechanisms
+# the five mechanisms
 # ------------------------------------------------------------------------------------------------
 
 
@@ -242,6 +274,15 @@ MECHANISMS = {
                 accountant="pld", privacy={"epsilon": 2.0, "delta": DELTA}),
         space="dense", clip=1.0, weak_privatizer="audit_gaussian_sensitivity_c",
         trials={"honest": 100_000, "noise_halved": 100_000, "sensitivity_c": 100_000, "clip_skipped": 20_000}),
+    # the same with per-layer clipping (opt-in): four parallel layers, each clipped to C/√4
+    "dp_sgd_per_layer": Mechanism(
+        _recipe(algorithm="dp_sgd", objective={"name": "audit_canary", "n": 100, "branches": 4},
+                sampler={"name": "poisson", "batch_size": 10},
+                privatizer={"name": "gaussian", "clip": 1.0, "noise_multiplier": "auto", "clipping": "per_layer"},
+                accountant="pld", privacy={"epsilon": 2.0, "delta": DELTA}),
+        space="dense", clip=1.0, weak_privatizer="audit_gaussian_sensitivity_c",
+        trials={"honest": 100_000, "noise_halved": 100_000, "sensitivity_c": 100_000, "clip_skipped": 20_000,
+                "layer_bound_c": 100_000}),
     # DPZero: one scalar per example (f₊ − f₋)/2λ on a public direction, one scalar of noise
     "dpzero": Mechanism(
         _recipe(algorithm="dpzero", objective={"name": "audit_canary", "n": 32},
@@ -381,6 +422,16 @@ def test_audit(name, variant, runs):
         assert audited > claimed
     if variant == "clip_skipped":
         assert gap > 2 * mech.clip  # the canary's clip was skipped: the sums differ by more than 2C
+
+
+def test_audit_catches_a_per_layer_bound_of_c(runs):
+    """Per-layer clipping's own way to break: each of the G layers bounded by C, not C/√G."""
+    mech = MECHANISMS["dp_sgd_per_layer"]
+    with layer_bound_c():  # every record's clipping, as a broken implementation would do it
+        claimed, audited, _, gap = run_audit(runs("dp_sgd_per_layer", False), mech, "layer_bound_c")
+    print(f"\ndp_sgd_per_layer layer_bound_c: claimed ε = {claimed:.3f}, audited ε >= {audited:.3f}")
+    assert gap == pytest.approx(2 * mech.clip * 4 ** 0.5, rel=1e-5)
+    assert audited > claimed
 
 
 @pytest.mark.parametrize("variant", ["honest", "noise_halved"])
