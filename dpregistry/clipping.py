@@ -61,7 +61,6 @@ def _clip_groups(contribution, clip: float) -> ClippedSum:
                       loss_sum=loss_sum, kind=contribution.kind)
 
 
-
 def clip_and_sum_per_layer(contribution, clip: float) -> ClippedSum:
     """Per-layer clipping: each layer's per-example gradient clipped to C/√G (G layers, tied ones
     merged), summed as the backward reaches it (``HookContribution.clipped_sum_per_layer``). Every

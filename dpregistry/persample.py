@@ -1105,6 +1105,19 @@ def _layer_groups(layers) -> tuple[dict[int, int], int]:
     return group, len(roots)
 
 
+def _pieces_by_parameter(calls) -> dict[str, list[Piece]]:
+    """The pieces of each parameter over ``calls`` ((handler, local names, use) triples), in order."""
+    out: dict[str, list[Piece]] = {}
+    for h, local, use in calls:
+        for k, v in h.pieces(use).items():
+            out.setdefault(local[k], []).append(v)
+    return out
+
+
+def _accumulate(sums: dict[str, torch.Tensor], name: str, v: torch.Tensor) -> None:
+    sums[name] = sums[name] + v if name in sums else v
+
+
 class _LayerClip:
     """Per-layer clipping inside the backward (McMahan et al. 2018, §3; He et al. 2022, "group-wise
     clipping"): each group's per-example gradient is clipped to C_g = C/√G when its last call's
@@ -1138,11 +1151,8 @@ class _LayerClip:
         from .clipping import clip_weights
 
         calls = self.arrived.pop(g)
-        pieces: dict[str, list[Piece]] = {}
-        for use, h in calls:
-            local = self.sampler._local[id(use.module)]
-            for k, v in h.pieces(use).items():
-                pieces.setdefault(local[k], []).append(v)
+        local = self.sampler._local
+        pieces = _pieces_by_parameter((h, local[id(use.module)], use) for use, h in calls)
         sq = sum(_sq_of_sum(ps) for ps in pieces.values())
         norms = sq.sqrt()
         finite = self.finite.to(norms.device)
@@ -1152,10 +1162,8 @@ class _LayerClip:
         self.dropped |= (~ok).to(self.dropped.device)
         del pieces
         for use, h in calls:
-            local = self.sampler._local[id(use.module)]
             for k, v in h.weighted(use, w).items():
-                name = local[k]
-                self.sums[name] = self.sums[name] + v if name in self.sums else v
+                _accumulate(self.sums, local[id(use.module)][k], v)
             use.drop()
 
 
@@ -1273,12 +1281,15 @@ class HookContribution(DenseContribution):
             layer_clip = _LayerClip(self.pending.sampler, self.pending.uses, clip, finite)
             self._run_backward(layer_clip)
             clipped, dropped, sums = layer_clip.clipped, layer_clip.dropped, layer_clip.sums
-        agg = self._aggregate({name: sums[name] if name in sums else self._zero(name, p)
-                               for name, p in self.params.items()})
-        return agg, clipped, dropped
+        return self._full(sums), clipped, dropped
 
     def _zero(self, name: str, p: torch.Tensor) -> torch.Tensor:
         return torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=p.device)
+
+    def _full(self, sums: dict[str, torch.Tensor]) -> Aggregate:
+        """The aggregate of ``sums``, with zeros for the parameters no example reached."""
+        return self._aggregate({name: sums[name] if name in sums else self._zero(name, p)
+                                for name, p in self.params.items()})
 
     def _aggregate(self, tensors: dict[str, torch.Tensor]) -> Aggregate:
         return DenseAggregate(tensors)
@@ -1305,11 +1316,7 @@ class HookContribution(DenseContribution):
         if self.second is not None or self._spent:
             raise RuntimeError("the norms of groups need the per-example pieces, which a two-pass contribution or a "
                                "weighted sum has dropped")
-        pieces: dict[str, list[Piece]] = {}
-        for h, local, uses in self.records:
-            for u in uses:
-                for k, v in h.pieces(u).items():
-                    pieces.setdefault(local[k], []).append(v)
+        pieces = _pieces_by_parameter((h, local, u) for h, local, uses in self.records for u in uses)
         sq = None
         for ps in pieces.values():  # one parameter's regrouped copy at a time: memory of one layer, not all
             grouped = [regroup(v, groups, n_groups) for v in ps]
@@ -1368,10 +1375,6 @@ class HookContribution(DenseContribution):
                 layers_of[name] = layers_of.get(name, 0) + 1
         out: dict[str, torch.Tensor] = {}
         shared: list[tuple[str, torch.Tensor]] = []  # terms of parameters several layers reach, last layer first
-
-        def add(name, v):
-            out[name] = out[name] + v if name in out else v
-
         for h, local, uses in reversed(self.records):
             terms = []
             for u in uses:
@@ -1381,9 +1384,8 @@ class HookContribution(DenseContribution):
                     if layers_of[local[k]] > 1:
                         terms.append((local[k], v))
                     else:
-                        add(local[k], v)
+                        _accumulate(out, local[k], v)
             shared += terms[::-1]
         for name, v in reversed(shared):
-            add(name, v)
-        return self._aggregate({name: out[name] if name in out else self._zero(name, p)
-                                for name, p in self.params.items()})
+            _accumulate(out, name, v)
+        return self._full(out)

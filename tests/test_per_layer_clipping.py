@@ -66,14 +66,28 @@ def losses_of(model, ids, targets):
     return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").sum(1)
 
 
-def per_example_reference(model, ids, targets):
+def per_example(model, loss_of, n):
+    """Each example's gradient by its own backward (``loss_of(i)``: example i's loss), stacked; a
+    parameter the loss does not reach gets zeros."""
     params = dict(model.named_parameters())
     out = {k: [] for k in params}
-    for i in range(ids.shape[0]):
-        loss = losses_of(model, ids[i:i + 1], targets[i:i + 1])[0]
-        for k, g in zip(params, torch.autograd.grad(loss, list(params.values()))):
-            out[k].append(g)
+    for i in range(n):
+        grads = torch.autograd.grad(loss_of(i), list(params.values()), allow_unused=True)
+        for (k, p), g in zip(params.items(), grads):
+            out[k].append(torch.zeros_like(p) if g is None else g)
     return {k: torch.stack(v) for k, v in out.items()}
+
+
+def per_example_reference(model, ids, targets):
+    return per_example(model, lambda i: losses_of(model, ids[i:i + 1], targets[i:i + 1])[0], ids.shape[0])
+
+
+def per_example_classifier(model, x, y):
+    return per_example(model, lambda i: F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), x.shape[0])
+
+
+def group_norms(per_ex, names):
+    return torch.sqrt(sum(per_ex[k].flatten(1).pow(2).sum(1) for k in names))
 
 
 def clipped_reference(per_ex, groups, clip, keep=None):
@@ -83,8 +97,7 @@ def clipped_reference(per_ex, groups, clip, keep=None):
     keep = torch.ones(B, dtype=torch.bool) if keep is None else keep
     out = {k: torch.zeros_like(v[0]) for k, v in per_ex.items()}
     for names in groups:
-        norms = torch.sqrt(sum(per_ex[k].flatten(1).pow(2).sum(1) for k in names))
-        w = torch.where(keep, (cg / norms).clamp(max=1.0), torch.zeros(()))
+        w = torch.where(keep, (cg / group_norms(per_ex, names)).clamp(max=1.0), torch.zeros(()))
         for k in names:
             out[k] += (per_ex[k] * w.view(-1, *[1] * (per_ex[k].dim() - 1))).sum(0)
     return out
@@ -108,12 +121,12 @@ def test_per_layer_sum_equals_the_reference(clip, passes):
     gs, c = contribution(model, ids, targets, passes)
     assert gs.n_clip_groups == len(GROUPS)
     got = clip_and_sum_per_layer(c, clip)
-    expect = clipped_reference(per_example_reference(model, ids, targets), GROUPS, clip)
+    per_ex = per_example_reference(model, ids, targets)
+    expect = clipped_reference(per_ex, GROUPS, clip)
     for k, v in expect.items():
         torch.testing.assert_close(got.aggregate.tensors[k], v, atol=1e-10, rtol=1e-9, msg=lambda m: f"{k}: {m}")
-    per_ex = per_example_reference(model, ids, targets)
     cg = clip / math.sqrt(len(GROUPS))
-    clipped = sum(torch.sqrt(sum(per_ex[k].flatten(1).pow(2).sum(1) for k in names)) > cg for names in GROUPS) > 0
+    clipped = sum(group_norms(per_ex, names) > cg for names in GROUPS) > 0
     assert (got.count, got.nonfinite, got.clipped) == (5, 0, int(clipped.sum()))
 
 
@@ -141,8 +154,8 @@ def test_a_group_with_a_call_outside_the_loss_is_still_summed():
     with torch.enable_grad(), gs.capture(5):
         losses = F.cross_entropy(model(x), y, reduction="none")
     got = clip_and_sum_per_layer(gs.contribution(losses), 0.3)
-    per_ex = {k: torch.stack(v) for k, v in _per_example_mlp(model, x, y).items()}
-    expect = clipped_reference(per_ex, [["a.weight", "a.bias", "b.bias"], ["out.weight", "out.bias"]], 0.3)
+    expect = clipped_reference(per_example_classifier(model, x, y),
+                               [["a.weight", "a.bias", "b.bias"], ["out.weight", "out.bias"]], 0.3)
     for k, v in expect.items():
         torch.testing.assert_close(got.aggregate.tensors[k], v, atol=1e-10, rtol=1e-9, msg=lambda m: f"{k}: {m}")
     assert float(expect["a.weight"].abs().max()) > 0
@@ -197,22 +210,11 @@ def test_a_nonfinite_example_is_dropped_and_counted():
         losses = F.cross_entropy(model(x), y, reduction="none")
     got = clip_and_sum_per_layer(gs.contribution(losses), 0.5)
     keep = [0, 1, 2, 4]
-    per_ex = {k: torch.stack([g for g in v]) for k, v in _per_example_mlp(model, x[keep], y[keep]).items()}
-    expect = clipped_reference(per_ex, [["0.weight", "0.bias"], ["2.weight", "2.bias"]], 0.5)
+    expect = clipped_reference(per_example_classifier(model, x[keep], y[keep]),
+                               [["0.weight", "0.bias"], ["2.weight", "2.bias"]], 0.5)
     for k, v in expect.items():
         torch.testing.assert_close(got.aggregate.tensors[k], v, atol=1e-10, rtol=1e-9)
     assert got.nonfinite == 1 and math.isfinite(got.loss_sum)
-
-
-def _per_example_mlp(model, x, y):
-    params = dict(model.named_parameters())
-    out = {k: [] for k in params}
-    for i in range(x.shape[0]):
-        loss = F.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
-        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-        for (k, p), g in zip(params.items(), grads):
-            out[k].append(torch.zeros_like(p) if g is None else g)
-    return out
 
 
 @pytest.mark.usefixtures("fp64")
@@ -294,19 +296,14 @@ def test_dp_grape_per_layer_clips_the_projected_gradients_with_the_contributions
     ids, y = torch.randint(1, 20, (5, 9)), torch.randint(0, 3, (5,))
     data = FixedData(model, ids, y)
     est, ctx = estimator(model, data, rank=6, refresh=1)
-    params = dict(model.named_parameters())
-    per_ex = {}
-    for i in range(5):
-        loss = F.cross_entropy(model(ids[i:i + 1]), y[i:i + 1])
-        for k, g in zip(params, torch.autograd.grad(loss, list(params.values()))):
-            per_ex.setdefault(k, []).append(g)
+    per_ex = per_example_classifier(model, ids, y)
     c0 = next(est.contributions(data, torch.arange(5), ctx))
     own = dict(c0.projectors)
     next(est.contributions(data, torch.arange(5), ctx.at(1)))  # the estimator now holds step 1's projectors
     assert any(own[k].seed != est.current[k].seed for k in own)
     projected = {}
-    for k, g in per_ex.items():
-        G, pr = torch.stack(g), own.get(k)
+    for k, G in per_ex.items():
+        pr = own.get(k)
         P = pr.matrix(dtype=torch.float64) if pr is not None else None
         projected[k] = G if pr is None else (P.T @ G if pr.side == "left" else G @ P)
     groups = [["emb.weight"], ["ln.weight", "ln.bias"], ["up.weight", "up.bias"], ["down.weight", "down.bias"],
