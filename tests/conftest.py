@@ -65,6 +65,20 @@ def make_run(recipe: dict | str | Path, tmp_path: Path | None = None, sets=(), o
     return run
 
 
+class Crash(Exception):
+    """A crash raised inside a run's loop (``crash_at``)."""
+
+
+def crash_at(run, step: int) -> None:
+    """Train ``run`` until it crashes as step ``step`` ends (before that step's checkpoint)."""
+    def crash(r, metrics):
+        if r.step == step:
+            raise Crash
+
+    with pytest.raises(Crash):
+        run.train(progress=crash)
+
+
 def rewind(run_dir: Path, step: int) -> None:
     """Make a finished run look as a crash after ``step`` leaves it: later checkpoints, their ledger
     lines, the summary and the model gone."""

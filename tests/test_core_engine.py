@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_run, write_recipe
+from conftest import crash_at, make_run, write_recipe
 from dpregistry import checkpoint as ckpt
 from dpregistry.folder import resume_run
 from dpregistry.errors import UserError
@@ -33,17 +33,7 @@ def test_straight_run_equals_half_run_plus_resume_bitwise(tmp_path):
     a = make_run(RECIPE, tmp_path, out=tmp_path / "a")
     sa = a.train()
     # the same run, crashing at step 8: the checkpoint at step 6 is the newest
-    b = make_run(RECIPE, tmp_path, out=tmp_path / "b")
-
-    class Crash(Exception):
-        pass
-
-    def crash_at_8(run, metrics):
-        if run.step == 8:
-            raise Crash
-
-    with pytest.raises(Crash):
-        b.train(progress=crash_at_8)
+    crash_at(make_run(RECIPE, tmp_path, out=tmp_path / "b"), 8)
     r = resume_run(tmp_path / "b")
     assert r.step == 6
     sb = r.train()

@@ -294,7 +294,7 @@ def small_recipes() -> list[str]:
 @pytest.mark.parametrize("recipe_name", small_recipes())
 def test_shipped_recipes_resume_bit_identically_after_a_crash(recipe_name, tmp_path):
     from conftest import RECIPES as RECIPE_DIR
-    from conftest import make_run
+    from conftest import crash_at, make_run
     from dpregistry.folder import resume_run
 
     path = RECIPE_DIR / recipe_name
@@ -306,17 +306,7 @@ def test_shipped_recipes_resume_bit_identically_after_a_crash(recipe_name, tmp_p
     straight = make_run(path, sets=sets, out=tmp_path / "a")
     s_a = straight.train()
     crashing = make_run(path, sets=sets, out=tmp_path / "b")
-    total = crashing.total_steps
-
-    class Crash(Exception):
-        pass
-
-    def crash(run, metrics):
-        if run.step == total // 2 + 1:
-            raise Crash
-
-    with pytest.raises(Crash):
-        crashing.train(progress=crash)
+    crash_at(crashing, crashing.total_steps // 2 + 1)
     resumed = resume_run(tmp_path / "b", warn=lambda m: None)
     s_b = resumed.train()
     assert s_a["step"] == s_b["step"] and s_a["epsilon"] == s_b["epsilon"]

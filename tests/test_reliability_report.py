@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import make_run, write_recipe
+from conftest import crash_at, make_run, write_recipe
 from dpregistry.folder import resume_run
 from test_core_cli import dpreg
 
@@ -99,17 +99,7 @@ def test_the_markdown_states_what_summary_json_holds(finished):
 
 def test_the_report_of_an_interrupted_run_uses_its_newest_checkpoint(tmp_path):
     out = tmp_path / "out"
-    run = make_run(RECIPE, tmp_path, out=out)
-
-    class Crash(Exception):
-        pass
-
-    def crash_at_10(r, metrics):
-        if r.step == 10:
-            raise Crash
-
-    with pytest.raises(Crash):
-        run.train(progress=crash_at_10)
+    crash_at(make_run(RECIPE, tmp_path, out=out), 10)
     assert dpreg("report", out).returncode == 0
     md = (out / "report" / "report.md").read_text()
     assert "Status: interrupted; the newest valid checkpoint is at step 8" in md

@@ -173,27 +173,15 @@ def test_a_privatizer_that_states_no_noise_is_refused_before_anything_is_written
 
 def test_a_resumed_corrected_run_is_the_straight_run_bit_for_bit(tmp_path):
     """The moving average of Φ is checkpointed with the moments: a crash and a resume change nothing."""
-    from conftest import make_run
+    from conftest import crash_at, make_run
     from dpregistry.folder import resume_run
+    from test_core_engine import RECIPE
 
-    recipe = {"seed": 3, "algorithm": "dp_adam",
-              "objective": {"name": "tabular", "model": {"kind": "mlp", "hidden": [16]}, "data": {"dataset": "wine"}},
-              "sampler": {"name": "poisson", "batch_size": 16}, "privatizer": {"clip": 1.0, "noise_multiplier": "auto"},
-              "update": {"lr": 0.01, "noise_correction": True, "variance_floor": 1e-4},
-              "privacy": {"epsilon": 8.0, "delta": 1e-3, "noise": "reproducible"},
+    recipe = {**RECIPE, "update": {"lr": 0.01, "noise_correction": True, "variance_floor": 1e-4},
               "train": {"steps": 8, "checkpoint_every": 3}}
     straight = make_run(recipe, tmp_path, out=tmp_path / "a")
     straight.train()
-
-    class Crash(Exception):
-        pass
-
-    def crash_at_5(run, metrics):
-        if run.step == 5:
-            raise Crash
-
-    with pytest.raises(Crash):
-        make_run(recipe, tmp_path, out=tmp_path / "b").train(progress=crash_at_5)
+    crash_at(make_run(recipe, tmp_path, out=tmp_path / "b"), 5)
     resumed = resume_run(tmp_path / "b")
     assert resumed.step == 3 and resumed.update_rule.state.noise_var > 0
     resumed.train()
