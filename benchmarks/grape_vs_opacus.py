@@ -20,6 +20,10 @@ the same model, batch and inputs; the private ones use flat clipping C = 1, nois
 * dp_grape_e    the same with the embedding tables projected too (``project.embeddings``; not the paper's)
 * opacus_ghost  Opacus 1.6 PrivacyEngine, grad_sample_mode="ghost" (ghost clipping, two backwards)
 * opacus_hooks  Opacus 1.6 PrivacyEngine, grad_sample_mode="hooks" (per-sample gradients stored)
+* NAME_ckpt     method NAME on the model with Hugging Face's activation checkpointing on
+                (``gradient_checkpointing_enable()``: each layer's activations are recomputed in
+                the backward, not kept; non-reentrant): adam_ckpt, dp_adam_pl_ckpt, dp_adam_2p_ckpt,
+                opacus_ghost_ckpt
 
 Time: every method is built in ONE process (one copy of the model each, the same initial weights)
 and the methods' steps alternate, round after round (the order rotates each round), so a change of
@@ -57,7 +61,8 @@ import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("adam", "adam_noise", "dp_adam", "dp_adam_2p", "dp_adam_pl", "dp_grape", "dp_grape_e", "opacus_ghost", "opacus_hooks")
+METHODS = ("adam", "adam_noise", "dp_adam", "dp_adam_2p", "dp_adam_pl", "dp_grape", "dp_grape_e", "opacus_ghost", "opacus_hooks",
+           "adam_ckpt", "dp_adam_pl_ckpt", "dp_adam_2p_ckpt", "opacus_ghost_ckpt")
 DEFAULT_METHODS = ("adam", "adam_noise", "dp_adam", "dp_grape", "opacus_ghost")
 TIME_ONLY = {"adam_noise"}
 BATCHES = (8, 16, 32, 64, 128, 256)
@@ -75,9 +80,12 @@ TIME_TARGETS = [("dp_adam", "adam", 1.15), ("dp_adam_2p", "adam", 1.15), ("dp_ad
 MEMORY_TARGETS = [("dp_adam", "opacus_ghost", 0.75), ("dp_adam", "adam", 1.10), ("dp_grape", "opacus_ghost", 0.5),
                   ("dp_grape", "dp_adam", 0.4), ("dp_adam_2p", "opacus_ghost", 0.75), ("dp_adam_2p", "adam", 1.10),
                   ("dp_grape_e", "opacus_ghost", 0.5), ("dp_grape_e", "dp_adam", 0.4),
-                  ("dp_adam_pl", "opacus_ghost", 0.75), ("dp_adam_pl", "adam", 1.10)]
+                  ("dp_adam_pl", "opacus_ghost", 0.75), ("dp_adam_pl", "adam", 1.10),
+                  ("dp_adam_pl_ckpt", "opacus_ghost", 0.75), ("dp_adam_pl_ckpt", "adam_ckpt", 1.10),
+                  ("dp_adam_2p_ckpt", "opacus_ghost", 0.75)]
 # ours ≥ 2× Opacus ghost's largest batch
-BATCH_TARGETS = [(m, "opacus_ghost", 2.0) for m in ("dp_adam", "dp_adam_2p", "dp_adam_pl", "dp_grape")]
+BATCH_TARGETS = [(m, "opacus_ghost", 2.0) for m in ("dp_adam", "dp_adam_2p", "dp_adam_pl", "dp_grape",
+                                                    "dp_adam_pl_ckpt", "dp_adam_2p_ckpt")]
 
 
 def verdict(value: float, target: float) -> str:
@@ -106,7 +114,7 @@ def import_libraries(method: str) -> None:
         import dpregistry.run  # noqa: F401
 
 
-def build(model: str, device: str):
+def build(model: str, device: str, checkpointing: bool = False):
     import torch
     import transformers
     from torch import nn
@@ -125,6 +133,8 @@ def build(model: str, device: str):
                 return self.head(self.encoder(input_ids=x).last_hidden_state[:, 0])
 
         net = Classifier()
+        if checkpointing:
+            net.encoder.gradient_checkpointing_enable()
         make_x = lambda n, g: torch.randint(3, cfg["vocab_size"], (n, T), generator=g)  # noqa: E731
     else:
         class Vit(nn.Module):
@@ -136,6 +146,8 @@ def build(model: str, device: str):
                 return self.vit(pixel_values=x).logits
 
         net = Vit()
+        if checkpointing:
+            net.vit.gradient_checkpointing_enable()
         make_x = lambda n, g: torch.randn(n, 3, cfg["image_size"], cfg["image_size"], generator=g)  # noqa: E731
     return net.to(device).train(), make_x, rank
 
@@ -197,7 +209,8 @@ def make_step(method: str, model: str, B: int, device: str):
     import torch
     import torch.nn.functional as F
 
-    net, make_x, rank = build(model, device)
+    method, checkpointing = method.removesuffix("_ckpt"), method.endswith("_ckpt")
+    net, make_x, rank = build(model, device, checkpointing)
     g = torch.Generator().manual_seed(1)
     X = make_x(B, g).to(device)
     y = torch.randint(0, 2, (B,), generator=g).to(device)

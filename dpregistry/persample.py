@@ -685,21 +685,35 @@ def _call_nodes(start: int, tap) -> set:
 
 
 class _Tap(torch.autograd.Function):
-    """Identity on a layer's output whose backward hands the backprop to ``fn``.
+    """Identity on a layer's output whose backward hands the backprop and the layer's input to
+    ``fn(g, inp)``.
 
     The anchor is a dummy leaf that every tap takes as an input: a backward pass to it reaches
-    each tap (and no parameter), so no weight gradient is ever computed.
+    each tap (and no parameter), so no weight gradient is ever computed. The input is kept as a
+    saved tensor of the tap, not by the sampler: inside a segment of (non-reentrant) activation
+    checkpointing, autograd then frees it after the forward and recomputes it for the backward,
+    as it does the segment's own saved tensors; and an in-place change to it before the backward
+    is refused by autograd's version check.
     """
 
     @staticmethod
-    def forward(ctx, x, anchor, fn):
+    def forward(ctx, x, anchor, inp, fn):
         ctx.fn = fn
+        ctx.save_for_backward(inp)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        ctx.fn(g)
-        return g, None, None
+        inp, = ctx.saved_tensors
+        ctx.fn(g, inp)
+        return g, None, None, None
+
+
+def _ignore(g, inp) -> None:
+    """The tap of a recomputed call (see ``GradSampler._hook``): its backward never runs."""
+
+
+_REPLAY_ANCHOR = torch.zeros((), requires_grad=True)
 
 
 def _row_sketch(t: torch.Tensor, k: int = 4) -> torch.Tensor:
@@ -764,7 +778,15 @@ class GradSampler:
         #: per-layer clipping's groups: each layer, with the layers that share a parameter with it merged
         self._group_of, self.n_clip_groups = _layer_groups(self.layers)
         self._uses: dict[int, list[Use]] = {}
+        #: the forward hooks stay from a capture until no backward waits: a checkpointed segment's
+        #: forward runs again inside the backward, and must put the same taps on its outputs
         self._handles = []
+        self._pre_handles = []
+        #: "capture" (a forward in ``capture()``), "replay" (a backward of ours, recomputing
+        #: checkpointed segments) or None (the hooks do nothing)
+        self._mode: str | None = None
+        self._waiting = 0  # backwards made by ``contribution`` and not yet run
+        self._ungraded: list[str] = []  # hooked layers called without autograd in this capture
         self._anchor: torch.Tensor | None = None
         #: the layout check (see ``_check_layout``): backprops of the signed probe, then its result
         self._probes: dict[int, torch.Tensor] | None = None
@@ -779,8 +801,13 @@ class GradSampler:
         self._starts.setdefault(id(module), []).append(_sequence_mark() if torch.is_grad_enabled() else None)
 
     def _hook(self, module, args, kwargs, output):
-        start = self._starts[id(module)].pop() if self._starts is not None else None
+        if self._mode is None:
+            return None
+        replay = self._mode == "replay"
+        start = self._starts[id(module)].pop() if self._starts is not None and not replay else None
         if not torch.is_grad_enabled():
+            if not replay:
+                self._ungraded.append(self._names[id(module)])
             return None
         if not isinstance(output, torch.Tensor):
             raise UserError(f"per-example gradients: layer {self._names[id(module)]} ({type(module).__name__}) "
@@ -812,24 +839,32 @@ class GradSampler:
         elif output.shape[0] != B:
             raise UserError(f"per-example gradients: layer {self._names[id(module)]} sees a leading dimension "
                             f"{output.shape[0]} that is not the batch size {B}")
-        use = Use(module, inp, None, 0, keys=tuple(self._local[id(module)]))
+        if replay:
+            # A checkpointed segment's forward, run again to recompute its saved tensors: the same
+            # tap saves the same input in the same order, which is how the checkpoint matches them.
+            return _Tap.apply(output, _REPLAY_ANCHOR, inp, _ignore)
+        use = Use(module, None, None, 0, keys=tuple(self._local[id(module)]))
         if functional:
             use.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             use.kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
 
-        def on_backprop(g, use=use, h=h, fold=fold):
+        def on_backprop(g, inp, use=use, h=h, fold=fold):
             g = g.reshape(B, fold, *g.shape[1:]) if fold > 1 else g
             if self._probes is not None and self._signs is None:  # the probe pass: keep the backprop only
                 self._probes[id(use)] = _row_sketch(g.detach())
                 return
             if self._probes is not None:
                 self._check_layout(use, g)
-            use.g = g
-            self._serve(use, h)
+            use.inp, use.g = inp, g
+            mode, self._mode = self._mode, None  # a handler's own calls of the layer (vmap) are not replays
+            try:
+                self._serve(use, h)
+            finally:
+                self._mode = mode
 
         if self._anchor is None:
             self._anchor = torch.zeros((), device=output.device, requires_grad=True)
-        tapped = _Tap.apply(output, self._anchor, on_backprop)
+        tapped = _Tap.apply(output, self._anchor, inp, on_backprop)
         # Views share their base's version counter, and a view keeps its base alive: while anything
         # could still modify the output in place, the weak reference resolves.
         use.out, use.version = weakref.ref(tapped._base if tapped._base is not None else tapped), tapped._version
@@ -842,8 +877,8 @@ class GradSampler:
         """Hand a backprop to the layer's handler, as the backward pass in progress needs it:
 
         * book-keeping (one pass): the handler keeps its compact state for the norms and the sum;
-        * first of two passes: the norms² now, then the state is dropped (the inputs are kept for
-          the second pass; autograd holds the same tensors for it anyway), except the pieces of
+        * first of two passes: the norms² now, then the state is dropped (the taps keep the inputs
+          for the second pass, as autograd keeps them for its own), except the pieces of
           parameters reached by several calls, whose cross terms need them all;
         * second of two passes: the backprop is of Σ_i w_i·loss_i, so the layer's plain sum (rows
           of weight 0 masked out, NaN-safe) is its clipped sum; then everything is dropped."""
@@ -854,14 +889,14 @@ class GradSampler:
             if p is not None:
                 p.clip.arrive(use, h)
         elif p.mode == "norms":
-            kept = use.inp, use.args, use.kwargs
+            kept = use.args, use.kwargs
             h.on_backprop(use)
             use.plan = {k: _piece_kind(v) for k, v in use.state.items()}
             use.sq = h.sq_norms(use)
             local = self._local[id(use.module)]
             keep = {k for k in use.keys if local[k] in p.shared}
             use.state = {k: v for k, v in h.pieces(use).items() if k in keep} if keep else {}
-            use.inp, use.args, use.kwargs, use.g = *kept, None
+            (use.args, use.kwargs), use.inp, use.g = kept, None, None
         else:
             h.on_backprop(use)
             use.sums = h.weighted(use, p.mask)
@@ -875,21 +910,49 @@ class GradSampler:
                 sampler._batch_size = batch_size
                 sampler._uses = {}
                 sampler._anchor = None
-                sampler._handles = [m.register_forward_hook(sampler._hook, with_kwargs=True)
-                                    for m, _, _ in sampler.layers]
+                sampler._ungraded = []
+                if not sampler._handles:
+                    sampler._handles = [m.register_forward_hook(sampler._hook, with_kwargs=True)
+                                        for m, _, _ in sampler.layers]
                 if not sampler._uses_checked:  # mark where each call starts, for the use check
                     sampler._starts = {}
-                    sampler._handles += [m.register_forward_pre_hook(sampler._pre_hook, with_kwargs=True)
-                                         for m, _, _ in sampler.layers]
+                    sampler._pre_handles = [m.register_forward_pre_hook(sampler._pre_hook, with_kwargs=True)
+                                            for m, _, _ in sampler.layers]
+                sampler._mode = "capture"
                 return sampler
 
             def __exit__(self_, *exc):
-                for h in sampler._handles:
+                sampler._mode = None
+                for h in sampler._pre_handles:
                     h.remove()
-                sampler._handles = []
+                sampler._pre_handles = []
                 sampler._starts = None
 
         return _Ctx()
+
+    def _replaying(self, batch_size: int):
+        """Around a backward of ours: a checkpointed segment's forward that runs again in it gets
+        the taps it had (``_hook``), for the batch size of the capture that made it."""
+        sampler = self
+
+        class _Ctx:
+            def __enter__(self_):
+                self_.saved = sampler._mode, getattr(sampler, "_batch_size", None)
+                sampler._mode, sampler._batch_size = "replay", batch_size
+
+            def __exit__(self_, *exc):
+                sampler._mode, sampler._batch_size = self_.saved
+
+        return _Ctx()
+
+    def _done_waiting(self, backwards: int = 1) -> None:
+        """A backward of ours has run (or will not): the hooks go once none waits and no capture runs."""
+        self._waiting -= backwards
+        if self._waiting <= 0 and self._mode is None:
+            self._waiting = 0
+            for h in self._handles:
+                h.remove()
+            self._handles = []
 
     def _probe_layout(self, losses, finite, anchor) -> None:
         """First half of the layout check, once per sampler: backprop Σ_i s_i·loss_i with
@@ -897,7 +960,8 @@ class GradSampler:
         signs = 1.0 - 2.0 * (torch.arange(losses.shape[0], device=losses.device) % 2).to(losses.dtype)
         probe = torch.where(finite, losses * signs, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
         self._probes = {}
-        torch.autograd.grad(probe, [anchor], retain_graph=True, allow_unused=True)
+        with self._replaying(losses.shape[0]):
+            torch.autograd.grad(probe, [anchor], retain_graph=True, allow_unused=True)
         self._signs = signs
         self._layout_checked = True
 
@@ -1001,6 +1065,16 @@ class GradSampler:
         ``cls`` (a HookContribution subclass) and ``extra`` fields let a plugin emit its own space.
         """
         uses = [u for m, _, _ in self.layers for u in self._uses.get(id(m), [])]
+        if self._ungraded:
+            names, self._ungraded, self._uses = sorted(set(self._ungraded)), [], {}
+            self._done_waiting(0)
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            raise UserError(f"per-example gradients: layer {names[0]}{more} ran without autograd in the forward "
+                            "(under torch.no_grad, or in a segment of reentrant activation "
+                            "checkpointing, torch.utils.checkpoint with use_reentrant=True, whose backward the hooks "
+                            "cannot see); its trainable parameters would escape the per-example gradients. Use "
+                            "use_reentrant=False (Hugging Face's gradient_checkpointing_enable() does by default), "
+                            "or freeze those parameters")
         for u in uses:
             out = u.out() if u.out is not None else None
             if out is not None and out._version != u.version:
@@ -1021,7 +1095,9 @@ class GradSampler:
                 self._probe_layout(losses, finite, anchor)
             pending = _Backward(self, uses, losses, finite, total, anchor, (self._probes, self._signs))
             self._probes = self._signs = None
+            self._waiting += 1
         self._uses = {}
+        self._done_waiting(0)
         return (cls or HookContribution)(_records=self._records([]), pending=pending, n=losses.shape[0],
                                          losses=losses.detach(), finite=finite, params=self.params, **extra)
 
@@ -1074,9 +1150,12 @@ class _Backward:
             s._pass = _Pass("norms", shared=_shared_names(self.uses, s._local))
         s._probes, s._signs = self.probes
         try:
-            torch.autograd.grad(total, [self.anchor], allow_unused=True, retain_graph=two)
+            with s._replaying(self.losses.shape[0]):
+                torch.autograd.grad(total, [self.anchor], allow_unused=True, retain_graph=two)
         finally:
             s._probes = s._signs = s._pass = None
+            if not two:
+                s._done_waiting()
         if clip is not None:
             clip.finish()
         second = _SecondPass(s, self.losses, self.finite, self.anchor) if two else None
@@ -1209,9 +1288,11 @@ class _SecondPass:
         s = self.sampler
         s._pass = _Pass("sums", mask=keep.to(weights.dtype))
         try:
-            torch.autograd.grad(total, [anchor], allow_unused=True)
+            with s._replaying(losses.shape[0]):
+                torch.autograd.grad(total, [anchor], allow_unused=True)
         finally:
             s._pass = None
+            s._done_waiting()
 
 
 #: ``HookContribution.pending`` of a contribution whose backward raised

@@ -1,0 +1,162 @@
+"""Per-example gradients of a model with activation checkpointing on.
+
+Non-reentrant checkpointing (Hugging Face's ``gradient_checkpointing_enable()``) frees a segment's
+activations after the forward and runs the segment's forward again inside the backward. The hooks
+keep each layer's input as a saved tensor of the layer's tap, so the input is freed and
+recomputed with the rest, and the recomputed forward gets the same taps. The norms and clipped sums
+must then be those of one-example-at-a-time autograd (``clipped`` from the autograd tests), in
+both pass modes, with micro-batches of unequal size (the recomputation must take the batch size of
+its own capture) and per layer. Reentrant checkpointing hides its segment from the hooks and is
+refused, as is any hooked layer called without autograd.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from dpregistry import UserError
+from dpregistry.clipping import clip_and_sum_per_layer
+from dpregistry.persample import GradSampler
+from test_persample_autograd import Objective, clipped, text_batch
+
+
+@pytest.fixture(autouse=True)
+def fp64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def bert_case(checkpointing: bool, n: int = 6):
+    """BERT in training mode (Hugging Face checkpoints only then), without dropout."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=16, num_labels=3,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForSequenceClassification(cfg).double().train()
+    if checkpointing:
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    ids, mask = text_batch(40, n, 7, seed=0, pad=0)
+    y = torch.arange(n) % 3
+
+    def losses(idx):
+        out = model(input_ids=ids[idx], attention_mask=mask[idx])
+        return F.cross_entropy(out.logits, y[idx], reduction="none")
+
+    return model, Objective(model, losses, n)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("micro", [None, 4])
+def test_a_checkpointed_model_gets_the_per_example_gradients_of_autograd(passes, micro):
+    _, norms, sums = clipped(*bert_case(True), 6, micro=micro, passes=passes)
+    _, plain_norms, plain_sums = clipped(*bert_case(False), 6, micro=micro, passes=passes)
+    torch.testing.assert_close(norms, plain_norms, rtol=1e-12, atol=0)
+    for k in sums:
+        torch.testing.assert_close(sums[k], plain_sums[k], rtol=1e-12, atol=1e-15)
+
+
+def test_dp_grape_on_a_checkpointed_model():
+    clipped(*bert_case(True), 6, grape=4)
+
+
+def per_layer_sum(checkpointing: bool, clip: float):
+    model, obj = bert_case(checkpointing)
+    gs = GradSampler(model, {n: p for n, p in model.named_parameters() if p.requires_grad})
+    with torch.enable_grad(), gs.capture(6):
+        losses = obj.losses(torch.arange(6))
+    return clip_and_sum_per_layer(gs.contribution(losses), clip)
+
+
+def test_per_layer_clipping_on_a_checkpointed_model():
+    """Per-layer clipping closes each group inside the backward, between recomputations: the same
+    sum as without checkpointing (itself checked against autograd in test_per_layer_clipping)."""
+    got, plain = per_layer_sum(True, 4.0), per_layer_sum(False, 4.0)  # each example clips in some group
+    assert got.clipped > 0 and (got.count, got.clipped) == (plain.count, plain.clipped)
+    for k, v in plain.aggregate.tensors.items():
+        torch.testing.assert_close(got.aggregate.tensors[k], v, rtol=1e-12, atol=1e-15)
+
+
+class Blocks(nn.Module):
+    """Two blocks of two wide linear layers, checkpointed by torch.utils.checkpoint (``ckpt``: off,
+    "reentrant" or "non-reentrant")."""
+
+    def __init__(self, width=64, ckpt="non-reentrant"):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                                    for _ in range(2))
+        self.head = nn.Linear(width, 2)
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + (b(x) if self.ckpt == "off" else checkpoint(b, x, use_reentrant=self.ckpt == "reentrant"))
+        return self.head(x.mean(1))
+
+
+@pytest.mark.parametrize("ckpt", ["non-reentrant", "off"])
+def test_checkpointing_frees_the_inputs_the_hooks_need_until_the_backward(ckpt):
+    """The input of a block's second layer (the GELU's output) exists only inside the segment: after
+    the forward its storage is freed, though that layer's per-example gradient needs it; it comes
+    back, recomputed, for the backward. Without checkpointing the same storage stays alive."""
+    torch.manual_seed(0)
+    model = Blocks(ckpt=ckpt)
+    seen: list[StorageWeakRef] = []
+    model.blocks[0][2].register_forward_hook(lambda m, a, o: seen.append(StorageWeakRef(a[0].untyped_storage())))
+    gs = GradSampler(model, dict(model.named_parameters()))
+    x, y = torch.randn(8, 5, 64), torch.arange(8) % 2
+    with torch.enable_grad(), gs.capture(8):
+        losses = F.cross_entropy(model(x), y, reduction="none")
+    assert seen[0].expired() is (ckpt != "off")
+    norms = gs.contribution(losses).norms()
+    assert (len(seen) > 1) is (ckpt != "off")  # recomputed in the backward (and in the layout probe's)
+    assert torch.isfinite(norms).all() and (norms > 0).all()
+
+
+def test_reentrant_checkpointing_is_refused_naming_a_layer():
+    """A reentrant segment runs its forward without grad and backprops itself into ``.grad``: its
+    layers would be missing from the norms and the sum (and the sums left in ``.grad`` are not
+    private). It is refused at the first contribution, which estimators take at setup."""
+    torch.manual_seed(0)
+    model = Blocks(width=8, ckpt="reentrant")
+    gs = GradSampler(model, dict(model.named_parameters()))
+    with pytest.raises(UserError, match=r"blocks\.0\.0 \(and 3 more\) ran without autograd.*use_reentrant=False"):
+        gs.check_model(lambda idx: F.cross_entropy(model(torch.randn(len(idx), 3, 8)), idx % 2, reduction="none"), 4)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_trainable_layer_called_without_grad_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    def losses(idx):
+        x = torch.randn(len(idx), 4)
+        with torch.no_grad():
+            h = model[0](x)
+        return F.cross_entropy(model[1](h), idx % 2, reduction="none")
+
+    gs = GradSampler(model, dict(model.named_parameters()))
+    with pytest.raises(UserError, match=r"layer 0 ran without autograd"):
+        gs.check_model(losses, 4)
+
+
+def test_a_layer_input_changed_in_place_before_the_backward_is_refused():
+    """The tap keeps the layer's input as a saved tensor, under autograd's version check: an input
+    changed in place after the layer read it would give its weight a wrong per-example gradient."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 2)
+    gs = GradSampler(lin, dict(lin.named_parameters()))
+    with torch.enable_grad(), gs.capture(3):
+        x = torch.randn(3, 4) + 0  # not a leaf: in place is allowed on it
+        losses = lin(x).pow(2).sum(1)
+        x.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        gs.contribution(losses).norms()
