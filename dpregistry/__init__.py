@@ -22,6 +22,7 @@ _LAZY = {
     **dict.fromkeys(["Algorithm", "Charge", "ClippedSum", "Estimator", "NoiseStd", "Objective", "Privatizer",
                      "Release", "Sampler", "Stage", "StageParams", "Stages", "StepResult", "UpdateRule"], ".stages"),
     "Context": ".context",
+    "checkpoint_blocks": ".objectives",
     **dict.fromkeys(["train", "resume", "Result", "Stopped", "Terminated"], ".api"),
     "Accountant": ".privacy.accountant",
     "Budget": ".privacy.accountant",
@@ -50,4 +51,5 @@ __all__ = [
     "Stage", "StageParams", "Objective", "Sampler", "Estimator", "Privatizer", "UpdateRule",
     "Accountant", "Algorithm", "Budget", "Charge", "ClippedSum", "NoiseStd", "Release", "StepResult",
     "Stages", "Context", "events", "spaces", "StagePlugin", "train", "resume", "Result", "Stopped", "Terminated",
+    "checkpoint_blocks",
 ]

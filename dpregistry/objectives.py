@@ -68,6 +68,51 @@ def inject_lora(model: torch.nn.Module, lora: Lora, seed: int, device, dtype) ->
     return model.to(device, dtype)  # adapters are created in fp32
 
 
+def activation_checkpointing_option():
+    """The ``model.activation_checkpointing`` setting of the Hugging Face objectives."""
+    return Field(default=False, description="recompute each transformer block's activations in the backward "
+                                            "instead of keeping them: less memory for about one more forward")
+
+
+def checkpoint_blocks(model: torch.nn.Module, key: str = "model.activation_checkpointing") -> int:
+    """Wrap each transformer block of a Hugging Face model (its ``GradientCheckpointingLayer``s) in
+    non-reentrant activation checkpointing, whatever the module's training mode: a block's
+    activations are freed after the forward and recomputed in the backward, one block at a time.
+    (Hugging Face's own switch checkpoints only in training mode, and objectives run in eval mode.)
+    The per-example hooks keep their layer inputs as saved tensors, so those are freed too; the
+    reentrant variant is refused by them. Returns the number of blocks."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        raise UserError("activation checkpointing needs transformers >= 4.53 (GradientCheckpointingLayer)",
+                        key=key) from None
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not blocks:
+        raise UserError(f"activation checkpointing: {type(model).__name__} has no transformer block "
+                        "(GradientCheckpointingLayer) to checkpoint", key=key)
+    for m in blocks:
+        m.forward = _checkpointed(m.forward)
+    return len(blocks)
+
+
+#: a block's key-value cache arguments: the recomputation would write the cache a second time
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _checkpointed(forward):
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # no backward to recompute for
+            return forward(*args, **kwargs)
+        if kwargs.get("use_cache"):  # as Hugging Face's own checkpointing does
+            kwargs["use_cache"] = False
+        kwargs.update({k: None for k in _CACHE_ARGUMENTS if kwargs.get(k) is not None})
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
 @contextmanager
 def seeded(seed: int):
     """Run initialisation under a fixed torch seed without touching the global stream."""

@@ -49,6 +49,15 @@ adds the cross terms 2⟨G_i^(k), G_i^(l)⟩, computed from the kept factors or 
 ghost norm (past ``MAX_CROSS_PIECES`` calls, a cell in a loop, the per-example sum is formed). A tensor registered by a module and by one of its descendants is accounted for by the
 descendant only (the parent's call contains the child's).
 
+Activation checkpointing (non-reentrant ``torch.utils.checkpoint``; ``checkpoint_blocks`` in
+:mod:`dpregistry.objectives`): each tap keeps its layer's input as a saved tensor, so a segment's
+inputs are freed after the forward like its other activations, and the hooks stay registered until
+no backward of ours waits, so the segment's forward, run again inside that backward, gets the same
+taps and the checkpoint matches the recomputed inputs to them. Reentrant checkpointing runs its
+segment without grad, where no hook can see it, and is refused (as is any hooked layer run without
+autograd in the forward). With per-layer clipping or two passes no layer's state waits for the
+others, so the backward then holds one segment's activations at a time.
+
 Hooks see a parameter only where its layer is called. On the first micro-batch (estimators run
 it at setup, on two examples), ``GradSampler`` reads the autograd graph and refuses, naming the
 parameter, a model where some use of a parameter is not inside exactly one call that accounts

@@ -22,6 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from dpregistry import UserError
 from dpregistry.clipping import clip_and_sum_per_layer
 from dpregistry.persample import GradSampler
+from conftest import make_run
 from test_persample_autograd import Objective, clipped, text_batch
 
 
@@ -160,3 +161,22 @@ def test_a_layer_input_changed_in_place_before_the_backward_is_refused():
         x.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         gs.contribution(losses).norms()
+
+
+def test_a_recipe_run_with_activation_checkpointing_trains_exactly_as_without(tmp_path):
+    """``model.activation_checkpointing`` wraps MiniLM's six blocks (the objective runs in eval mode,
+    where Hugging Face's own switch would not checkpoint); the run's steps are the same numbers."""
+    from test_text_lora import RECIPE
+
+    recipe = {**RECIPE, "objective": {"name": "hf_text_classification", "trainable": {"exclude": ["embeddings"]}}}
+    ckpt = {**recipe, "model": {**recipe["model"], "activation_checkpointing": True}}
+    runs = [make_run(r, tmp_path) for r in (recipe, ckpt)]
+    wrapped = [m for m in runs[1].objective.model.modules() if "forward" in vars(m)]
+    assert len(wrapped) == 6 and not any("forward" in vars(m) for m in runs[0].objective.model.modules())
+    before = {n: p.detach().clone() for n, p in runs[0].params.items()}
+    for run in runs:
+        run.train()
+    assert any(not torch.equal(before[n], p) for n, p in runs[0].params.items() if "encoder.layer.0." in n)
+    for n, p in runs[0].params.items():
+        assert torch.equal(runs[1].params[n], p), n
+    assert runs[0].accountant.epsilon() == runs[1].accountant.epsilon()

@@ -301,3 +301,22 @@ def test_quadratic_recipes_run_and_improve(name, tmp_path):
     run.train()
     assert run.accountant.name == "kov_advanced_composition" and run.epsilon() <= 2.0 * (1 + 1e-9)
     assert run.objective.evaluate()["test_grad_norm"] < 0.6 * g0
+
+
+@pytest.mark.parametrize("kind", ["causal_lm_prompt", "masked_lm_prompt"])
+def test_dp_grape_with_activation_checkpointing_takes_the_same_steps(tiny, tmp_path, kind):
+    """``model.activation_checkpointing`` on a prompt LM (the first-order recipes' objective): both
+    blocks are checkpointed, and the run's steps are bit for bit those of the plain run."""
+    runs = []
+    for ckpt in (False, True):
+        r = lm_recipe(tiny, kind, activation_checkpointing=ckpt)
+        r.update(algorithm="dp_grape", estimator={"name": "projected_per_example_grad", "rank": 4},
+                 update={"name": "projected_adam", "lr": 1e-2}, privacy={"delta": 1e-3, "noise": "reproducible"})
+        runs.append(make_run(r, tmp_path))
+    assert sum("forward" in vars(m) for m in runs[1].objective.module().modules()) == 2
+    before = {n: p.detach().clone() for n, p in runs[0].params.items()}
+    for run in runs:
+        run.train()
+    assert any(not torch.equal(before[n], p) for n, p in runs[0].params.items())
+    for n, p in runs[0].params.items():
+        assert torch.equal(runs[1].params[n], p), n

@@ -13,7 +13,8 @@ from dpregistry import StageParams, UserError
 from dpregistry.data import Encoded, TextData, load_tabular, user_ids
 from dpregistry.hf import quiet
 from dpregistry.progress import track
-from dpregistry.objectives import DTYPES, Lora, TorchObjective, Trainable, inject_lora, require_memory, seeded
+from dpregistry.objectives import (DTYPES, Lora, TorchObjective, Trainable, activation_checkpointing_option,
+                                   checkpoint_blocks, inject_lora, require_memory, seeded)
 from dpregistry.stages import Objective
 from dpregistry.users import UserIds
 
@@ -116,6 +117,7 @@ class HFModel(_Sub):
     head_scale: float = Field(default=20.0, gt=0, description="logit scale of a label-description head")
     lora: Lora | None = Field(default=None, description="LoRA adapters in the encoder (mean or cls pooling); "
                                                         "they and the head train unless trainable says otherwise")
+    activation_checkpointing: bool = activation_checkpointing_option()
 
     @model_validator(mode="after")
     def _descriptions_need_a_linear_head(self):
@@ -199,6 +201,8 @@ class HFTextClassification(TorchObjective):
                 if p.model.lora is not None:
                     enc = inject_lora(enc, p.model.lora, ctx.rng.seed("lora_init", 0), ctx.device, dtype)
                 self.model = Encoder(enc, len(self.label_names), p.model.pooling).to(ctx.device, dtype)
+            if p.model.activation_checkpointing:
+                checkpoint_blocks(self.model)
         # token ids per batch, from the memory-mapped rows (a large data set is never tokenised whole)
         self.train_tok = Encoded(train, self._tokenize)
         self.y_train = torch.as_tensor(train.labels, device=ctx.device)

@@ -38,7 +38,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dpregistry import StageParams, UserError
 from dpregistry.data import Encoded, TextData, user_ids
 from dpregistry.hf import quiet
-from dpregistry.objectives import DTYPES, Lora, TorchObjective, Trainable, inject_lora, seeded
+from dpregistry.objectives import (DTYPES, Lora, TorchObjective, Trainable, activation_checkpointing_option,
+                                   checkpoint_blocks, inject_lora, seeded)
 from dpregistry.progress import track
 from dpregistry.users import UserIds
 
@@ -62,6 +63,7 @@ class PromptModel(_Sub):
     tokenizer: str | None = Field(default=None, description="tokenizer folder, or 'byte' (default: the model's; "
                                                             "byte-level for random init without one)")
     lora: Lora | None = None
+    activation_checkpointing: bool = activation_checkpointing_option()
 
 
 class PromptSection(_Sub):
@@ -244,6 +246,8 @@ class PromptLM(TorchObjective):
                             + _random_init_hint(), key="model.path") from None
         if m.lora is not None:
             lm = inject_lora(lm, m.lora, ctx.rng.seed("lora_init", 0), ctx.device, dtype)
+        if m.activation_checkpointing:
+            checkpoint_blocks(lm)
         return lm, config, folder
 
     def _tokenizer(self, config, folder):
