@@ -346,6 +346,9 @@ def report_times(model: str, B: int, res: dict, say) -> None:
         ratio(num, den, lambda r: f"target ≤ {target}: {verdict(r, target)}")
     for num, den, what in [("adam_noise", "adam", "(Adam plus the noise alone: what the d Gaussians cost)"),
                            ("dp_adam", "adam_noise", "(DP-Adam against Adam plus the noise)"),
+                           ("adam_ckpt", "adam", "(what recomputing the activations costs)"),
+                           ("dp_adam_pl_ckpt", "adam_ckpt", "(per-layer DP-Adam against Adam, both checkpointed)"),
+                           ("dp_adam_pl_ckpt", "adam", "(no target)"),
                            ("dp_adam", "opacus_ghost", "(no target)"), ("dp_grape", "opacus_ghost", "(no target)")]:
         ratio(num, den, lambda r: what)
 
