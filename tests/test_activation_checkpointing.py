@@ -180,3 +180,34 @@ def test_a_recipe_run_with_activation_checkpointing_trains_exactly_as_without(tm
     for n, p in runs[0].params.items():
         assert torch.equal(runs[1].params[n], p), n
     assert runs[0].accountant.epsilon() == runs[1].accountant.epsilon()
+
+
+def test_own_hugging_face_model_checkpointed_through_the_python_api():
+    """``dpregistry.checkpoint_blocks`` on a model passed to ``dpregistry.train``: the same steps."""
+    import dpregistry
+    from transformers import BertConfig, BertForSequenceClassification
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 40, (24, 7), generator=g), torch.arange(24) % 2)
+    recipe = {"algorithm": "dp_adam", "seed": 0, "sampler": {"batch_size": 8}, "update": {"lr": 1e-2},
+              "privacy": {"epsilon": 8.0, "delta": 1e-5, "noise": "reproducible"}, "train": {"steps": 3}}
+
+    def loss(model, batch):
+        ids, y = batch
+        return F.cross_entropy(model(input_ids=ids).logits, y, reduction="none")
+
+    results = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2,
+                                                         num_attention_heads=2, intermediate_size=32,
+                                                         max_position_embeddings=16)).float()
+        if ckpt:
+            assert dpregistry.checkpoint_blocks(model) == 2
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        results.append(dpregistry.train(recipe, model=model, loss=loss, train_data=data, verbose=False))
+    plain, ckpt = (dict(r.model.named_parameters()) for r in results)
+    assert all(torch.equal(ckpt[n], p) for n, p in plain.items())
+    assert not torch.equal(init["bert.encoder.layer.0.intermediate.dense.weight"],
+                           plain["bert.encoder.layer.0.intermediate.dense.weight"])
+    assert results[0].epsilon == results[1].epsilon
