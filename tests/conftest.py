@@ -99,3 +99,15 @@ def rewind(run_dir: Path, step: int) -> None:
 @pytest.fixture
 def recipe_file(tmp_path):
     return lambda recipe, name="recipe.yaml": write_recipe(tmp_path, recipe, name)
+
+
+@pytest.fixture
+def fp64():
+    """float64 as torch's default dtype for the test (``pytestmark = pytest.mark.usefixtures("fp64")``
+    for a whole module): exact comparisons with per-example autograd."""
+    import torch
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)

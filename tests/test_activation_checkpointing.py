@@ -26,12 +26,7 @@ from conftest import make_run
 from test_persample_autograd import Objective, clipped, text_batch
 
 
-@pytest.fixture(autouse=True)
-def fp64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("fp64")
 
 
 def bert_case(checkpointing: bool, n: int = 6):

@@ -24,14 +24,6 @@ from dpregistry.clipping import clip_and_sum_per_layer
 from dpregistry.persample import GradSampler, _LayerClip
 
 
-@pytest.fixture
-def fp64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
-
 class Tied(nn.Module):
     """Embedding tied to the output layer, a layer called twice, a LayerNorm and a bias-free layer."""
 

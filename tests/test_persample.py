@@ -19,12 +19,7 @@ from dpregistry import UserError
 from dpregistry.persample import GradSampler, Outer
 
 
-@pytest.fixture(autouse=True)
-def fp64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("fp64")
 
 
 def reference(model, params, losses_fn):

@@ -29,12 +29,7 @@ from dpreg_grape.projection import LayerSelection
 RTOL, ATOL = 1e-9, 1e-11
 
 
-@pytest.fixture(autouse=True)
-def fp64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("fp64")
 
 
 class Objective:
