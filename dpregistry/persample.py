@@ -357,6 +357,8 @@ class Use:
     """One call of a hooked module: its inputs and its (tapped) output, then the handler's state."""
 
     module: nn.Module
+    #: the layer's input: kept by the tap (a saved tensor), here from its backprop's arrival until
+    #: the handler has made its state
     inp: Any
     #: a weak reference to the output's base, for the in-place check: holding the output itself
     #: would keep alive what the forward frees (a layer's output consumed by a residual sum)
