@@ -180,3 +180,57 @@ def test_a_recipe_run_with_activation_checkpointing_trains_exactly_as_without(tm
     for n, p in runs[0].params.items():
         assert torch.equal(runs[1].params[n], p), n
     assert runs[0].accountant.epsilon() == runs[1].accountant.epsilon()
+
+
+def hooks_on(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+class SequenceFirst(nn.Module):
+    """A linear layer that sees [T, B, F]: refused in the forward (T ≠ B) or by the layout check in
+    the backward (T = B)."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return checkpoint(lambda h: self.lin(h.transpose(0, 1)).transpose(0, 1), x, use_reentrant=False).mean((1, 2))
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_the_hooks_leave_the_model_whatever_becomes_of_a_capture(passes):
+    """The hooks stay after a capture while its backward waits, and only then: a forward that
+    raises, a contribution dropped unread, and a backward that raises (in the first of two passes
+    too) leave the user's model without them, so it can be copied and saved afterwards (a hook
+    left behind holds the sampler and the failed forward's graph)."""
+    import copy
+    import gc
+
+    torch.manual_seed(0)
+    model = SequenceFirst()
+    gs = GradSampler(model, dict(model.named_parameters()), passes=passes)
+    with pytest.raises(UserError, match="leading dimension 5"), torch.enable_grad(), gs.capture(4):
+        model(torch.randn(4, 5, 8))
+    assert hooks_on(model) == 0
+    copy.deepcopy(model)
+    with pytest.raises(UserError, match="not one example each"):  # T = B: refused inside the backward
+        gs.check_model(lambda idx: model(torch.randn(len(idx), len(idx), 8)), 4)
+    assert hooks_on(model) == 0
+
+    blocks = Blocks(width=8)
+    gs = GradSampler(blocks, dict(blocks.named_parameters()), passes=passes)
+    x, y = torch.randn(4, 3, 8), torch.arange(4) % 2
+    contributions = []
+    for _ in range(2):
+        with torch.enable_grad(), gs.capture(4):
+            contributions.append(gs.contribution(F.cross_entropy(blocks(x), y, reduction="none")))
+    assert hooks_on(blocks) > 0  # both backwards wait: their checkpointed forwards run again in them
+    contributions[0].norms()
+    assert hooks_on(blocks) > 0
+    del contributions[1]  # never read
+    gc.collect()
+    if passes == 2:  # the second pass of the first one still waits
+        assert hooks_on(blocks) > 0
+        contributions[0].weighted_sum(torch.ones(4))
+    assert hooks_on(blocks) == 0
