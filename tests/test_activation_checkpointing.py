@@ -234,3 +234,52 @@ def test_the_hooks_leave_the_model_whatever_becomes_of_a_capture(passes):
         assert hooks_on(blocks) > 0
         contributions[0].weighted_sum(torch.ones(4))
     assert hooks_on(blocks) == 0
+
+
+def beit_case(checkpointing: bool, n: int = 6):
+    """BEiT: each block owns its layer-scale parameters, so the blocks themselves are vmap-fallback
+    layers, whose per-example gradients re-run the (checkpointed) block under torch.func."""
+    from transformers import BeitConfig, BeitForImageClassification
+
+    from dpregistry import checkpoint_blocks
+
+    torch.manual_seed(0)
+    cfg = BeitConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+                     num_attention_heads=2, intermediate_size=32, num_labels=3, layer_scale_init_value=0.1)
+    model = BeitForImageClassification(cfg).double().eval()
+    if checkpointing:
+        assert checkpoint_blocks(model) == 2
+    x, y = torch.randn(n, 3, 8, 8), torch.arange(n) % 3
+    return model, Objective(model, lambda idx: F.cross_entropy(model(pixel_values=x[idx]).logits, y[idx],
+                                                                 reduction="none"), n)
+
+
+def test_checkpointed_blocks_that_own_parameters_get_the_per_example_gradients_of_autograd():
+    _, norms, sums = clipped(*beit_case(True), 6)
+    _, plain_norms, plain_sums = clipped(*beit_case(False), 6)
+    torch.testing.assert_close(norms, plain_norms, rtol=1e-12, atol=0)
+    for k in sums:
+        torch.testing.assert_close(sums[k], plain_sums[k], rtol=1e-12, atol=1e-15)
+
+
+def test_a_copy_of_a_checkpointed_model_runs_its_own_blocks():
+    import copy
+
+    model, _ = beit_case(True)
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.enable_grad():
+        before = twin(pixel_values=x).logits.detach()
+        with torch.no_grad():
+            for p in model.beit.layers.parameters():  # the original's blocks only
+                p.add_(1.0)
+        torch.testing.assert_close(twin(pixel_values=x).logits, before, rtol=0, atol=0)
+    assert checkpoint_blocks_twice_is_once(twin)
+
+
+def checkpoint_blocks_twice_is_once(model) -> bool:
+    from dpregistry import checkpoint_blocks
+
+    forwards = [vars(m)["forward"] for m in model.modules() if "forward" in vars(m)]
+    checkpoint_blocks(model)
+    return forwards == [vars(m)["forward"] for m in model.modules() if "forward" in vars(m)]
