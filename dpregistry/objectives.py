@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import types
 from contextlib import contextmanager
 
 import torch
@@ -91,7 +92,9 @@ def checkpoint_blocks(model: torch.nn.Module, key: str = "model.activation_check
         raise UserError(f"activation checkpointing: {type(model).__name__} has no transformer block "
                         "(GradientCheckpointingLayer) to checkpoint", key=key)
     for m in blocks:
-        m.forward = _checkpointed(m.forward)
+        if "_forward_unchecked" not in vars(m):  # once: a second call would nest the checkpoints
+            m._forward_unchecked = m.forward
+            m.forward = types.MethodType(_checkpointed_forward, m)
     return len(blocks)
 
 
@@ -99,18 +102,20 @@ def checkpoint_blocks(model: torch.nn.Module, key: str = "model.activation_check
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
-def _checkpointed(forward):
+def _checkpointed_forward(block, *args, **kwargs):
+    """A block's forward under checkpointing. A method bound to the block, not a closure over it:
+    a copy of the model (``copy.deepcopy``) then runs its own blocks, not the original's."""
     from torch.utils.checkpoint import checkpoint
 
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():  # no backward to recompute for
-            return forward(*args, **kwargs)
-        if kwargs.get("use_cache"):  # as Hugging Face's own checkpointing does
-            kwargs["use_cache"] = False
-        kwargs.update({k: None for k in _CACHE_ARGUMENTS if kwargs.get(k) is not None})
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return run
+    forward = block._forward_unchecked
+    # No backward to recompute for; or inside torch.func, which has no saved-tensor hooks (the vmap
+    # fallback's per-example gradients of a block that owns parameters, BEiT's layer scales).
+    if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+        return forward(*args, **kwargs)
+    if kwargs.get("use_cache"):  # as Hugging Face's own checkpointing does
+        kwargs["use_cache"] = False
+    kwargs.update({k: None for k in _CACHE_ARGUMENTS if kwargs.get(k) is not None})
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 @contextmanager

@@ -932,12 +932,15 @@ class GradSampler:
                 sampler._mode = "capture"
                 return sampler
 
-            def __exit__(self_, *exc):
+            def __exit__(self_, exc_type, *exc):
                 sampler._mode = None
                 for h in sampler._pre_handles:
                     h.remove()
                 sampler._pre_handles = []
                 sampler._starts = None
+                if exc_type is not None:  # no contribution will be made of this forward: drop its calls
+                    sampler._uses, sampler._ungraded, sampler._anchor = {}, [], None
+                    sampler._done_waiting(0)
 
         return _Ctx()
 
@@ -1149,6 +1152,9 @@ class _Backward:
     def __init__(self, sampler: "GradSampler", uses, losses, finite, total, anchor, probes):
         self.sampler, self.uses, self.losses, self.finite = sampler, uses, losses, finite
         self.total, self.anchor, self.probes = total, anchor, probes
+        #: the sampler's hooks wait for this backward: released once, when it has run, failed, or
+        #: is dropped unrun (a contribution never read), so they never stay on the model
+        self.release = weakref.finalize(self, sampler._done_waiting)
 
     def __call__(self, clip: "_LayerClip | None" = None):
         """(records, the second pass or None). With ``clip``, each layer's clipped sum is formed as
@@ -1160,13 +1166,17 @@ class _Backward:
         elif two:
             s._pass = _Pass("norms", shared=_shared_names(self.uses, s._local))
         s._probes, s._signs = self.probes
+        ran = False
         try:
             with s._replaying(self.losses.shape[0]):
                 torch.autograd.grad(total, [self.anchor], allow_unused=True, retain_graph=two)
+            ran = True
         finally:
             s._probes = s._signs = s._pass = None
-            if not two:
-                s._done_waiting()
+            if two and ran:  # the second pass waits now
+                self.release.detach()
+            else:
+                self.release()
         if clip is not None:
             clip.finish()
         second = _SecondPass(s, self.losses, self.finite, self.anchor) if two else None
@@ -1287,6 +1297,7 @@ class _SecondPass:
 
     def __init__(self, sampler: "GradSampler", losses: torch.Tensor, finite: torch.Tensor, anchor: torch.Tensor):
         self.sampler, self.losses, self.finite, self.anchor = sampler, losses, finite, anchor
+        self.release = weakref.finalize(self, sampler._done_waiting)  # as ``_Backward.release``
 
     def __call__(self, weights: torch.Tensor) -> None:
         losses, anchor, self.losses, self.anchor = self.losses, self.anchor, None, None
@@ -1303,7 +1314,7 @@ class _SecondPass:
                 torch.autograd.grad(total, [anchor], allow_unused=True)
         finally:
             s._pass = None
-            s._done_waiting()
+            self.release()
 
 
 #: ``HookContribution.pending`` of a contribution whose backward raised

@@ -206,3 +206,105 @@ def test_own_hugging_face_model_checkpointed_through_the_python_api():
     assert not torch.equal(init["bert.encoder.layer.0.intermediate.dense.weight"],
                            plain["bert.encoder.layer.0.intermediate.dense.weight"])
     assert results[0].epsilon == results[1].epsilon
+
+def hooks_on(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+class SequenceFirst(nn.Module):
+    """A linear layer that sees [T, B, F]: refused in the forward (T ≠ B) or by the layout check in
+    the backward (T = B)."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return checkpoint(lambda h: self.lin(h.transpose(0, 1)).transpose(0, 1), x, use_reentrant=False).mean((1, 2))
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_the_hooks_leave_the_model_whatever_becomes_of_a_capture(passes):
+    """The hooks stay after a capture while its backward waits, and only then: a forward that
+    raises, a contribution dropped unread, and a backward that raises (in the first of two passes
+    too) leave the user's model without them, so it can be copied and saved afterwards (a hook
+    left behind holds the sampler and the failed forward's graph)."""
+    import copy
+    import gc
+
+    torch.manual_seed(0)
+    model = SequenceFirst()
+    gs = GradSampler(model, dict(model.named_parameters()), passes=passes)
+    with pytest.raises(UserError, match="leading dimension 5"), torch.enable_grad(), gs.capture(4):
+        model(torch.randn(4, 5, 8))
+    assert hooks_on(model) == 0
+    copy.deepcopy(model)
+    with pytest.raises(UserError, match="not one example each"):  # T = B: refused inside the backward
+        gs.check_model(lambda idx: model(torch.randn(len(idx), len(idx), 8)), 4)
+    assert hooks_on(model) == 0
+
+    blocks = Blocks(width=8)
+    gs = GradSampler(blocks, dict(blocks.named_parameters()), passes=passes)
+    x, y = torch.randn(4, 3, 8), torch.arange(4) % 2
+    contributions = []
+    for _ in range(2):
+        with torch.enable_grad(), gs.capture(4):
+            contributions.append(gs.contribution(F.cross_entropy(blocks(x), y, reduction="none")))
+    assert hooks_on(blocks) > 0  # both backwards wait: their checkpointed forwards run again in them
+    contributions[0].norms()
+    assert hooks_on(blocks) > 0
+    del contributions[1]  # never read
+    gc.collect()
+    if passes == 2:  # the second pass of the first one still waits
+        assert hooks_on(blocks) > 0
+        contributions[0].weighted_sum(torch.ones(4))
+    assert hooks_on(blocks) == 0
+
+
+def beit_case(checkpointing: bool, n: int = 6):
+    """BEiT: each block owns its layer-scale parameters, so the blocks themselves are vmap-fallback
+    layers, whose per-example gradients re-run the (checkpointed) block under torch.func."""
+    from transformers import BeitConfig, BeitForImageClassification
+
+    from dpregistry import checkpoint_blocks
+
+    torch.manual_seed(0)
+    cfg = BeitConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+                     num_attention_heads=2, intermediate_size=32, num_labels=3, layer_scale_init_value=0.1)
+    model = BeitForImageClassification(cfg).double().eval()
+    if checkpointing:
+        assert checkpoint_blocks(model) == 2
+    x, y = torch.randn(n, 3, 8, 8), torch.arange(n) % 3
+    return model, Objective(model, lambda idx: F.cross_entropy(model(pixel_values=x[idx]).logits, y[idx],
+                                                                 reduction="none"), n)
+
+
+def test_checkpointed_blocks_that_own_parameters_get_the_per_example_gradients_of_autograd():
+    _, norms, sums = clipped(*beit_case(True), 6)
+    _, plain_norms, plain_sums = clipped(*beit_case(False), 6)
+    torch.testing.assert_close(norms, plain_norms, rtol=1e-12, atol=0)
+    for k in sums:
+        torch.testing.assert_close(sums[k], plain_sums[k], rtol=1e-12, atol=1e-15)
+
+
+def test_a_copy_of_a_checkpointed_model_runs_its_own_blocks():
+    import copy
+
+    model, _ = beit_case(True)
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.enable_grad():
+        before = twin(pixel_values=x).logits.detach()
+        with torch.no_grad():
+            for p in model.beit.layers.parameters():  # the original's blocks only
+                p.add_(1.0)
+        torch.testing.assert_close(twin(pixel_values=x).logits, before, rtol=0, atol=0)
+    assert checkpoint_blocks_twice_is_once(twin)
+
+
+def checkpoint_blocks_twice_is_once(model) -> bool:
+    from dpregistry import checkpoint_blocks
+
+    forwards = [vars(m)["forward"] for m in model.modules() if "forward" in vars(m)]
+    checkpoint_blocks(model)
+    return forwards == [vars(m)["forward"] for m in model.modules() if "forward" in vars(m)]
