@@ -1,8 +1,8 @@
 """Per-example gradients from activations and backprops, without materialising them.
 
-Forward hooks keep each supported layer's input and put a *tap* on its output: an identity whose
-backward hands the backprop g = ∂(Σ_i loss_i)/∂output to the layer's handler the moment autograd
-computes it. One backward pass to a dummy anchor (every tap feeds it) reaches all taps without
+Forward hooks put a *tap* on each supported layer's output: an identity that keeps the layer's
+input and whose backward hands it, with the backprop g = ∂(Σ_i loss_i)/∂output, to the layer's
+handler the moment autograd computes it. One backward pass to a dummy anchor (every tap feeds it) reaches all taps without
 computing a single weight gradient. Because examples never interact, example i's gradient of a
 linear layer is g_iᵀ a_i, and the handler keeps just what the clipped sum will need:
 
@@ -360,11 +360,11 @@ class Use:
     #: the layer's input: kept by the tap (a saved tensor), here from its backprop's arrival until
     #: the handler has made its state
     inp: Any
-    #: a weak reference to the output's base, for the in-place check: holding the output itself
-    #: would keep alive what the forward frees (a layer's output consumed by a residual sum)
-    out: "weakref.ref | None"
-    version: int
-    keys: tuple = ()  # the module's local names of the parameters this call accounts for
+    keys: tuple = ()
+    #: (weak reference, version, "output" or "input") of the tensors the in-place check watches: the
+    #: output's base and the kept input. Holding them would keep alive what the forward frees (a
+    #: layer's output consumed by a residual sum, a checkpointed segment's activations).
+    watch: tuple = ()  # the module's local names of the parameters this call accounts for
     g: torch.Tensor | None = None
     call: tuple | None = None  # (sequence mark before the call, the tap's node), for the use check
     args: tuple = ()
@@ -402,6 +402,11 @@ class LayerHandler:
 
     types: tuple = ()
 
+    def needs_input(self, keys: tuple) -> bool:
+        """Whether the per-example gradients of ``keys`` (local names) need the layer's input; the
+        tap keeps it only then (a layer whose weight is frozen, BitFit's biases, keeps none)."""
+        return True
+
     def on_backprop(self, use: Use) -> None:
         """Default: keep the activation and the backprop as they are (``pieces`` computes)."""
 
@@ -433,6 +438,9 @@ class _ProductHandler(LayerHandler):
     def backprops(self, use: Use) -> torch.Tensor:
         """[B, T, out]."""
         return _flat3(use.g)
+
+    def needs_input(self, keys):
+        return "weight" in keys  # the bias's gradient is the backprop's sum
 
     def weight_shape(self, use: Use, prod: Outer) -> tuple:
         return tuple(use.module.weight.shape)
@@ -503,15 +511,17 @@ class EmbeddingHandler(LayerHandler):
 class LayerNormHandler(LayerHandler):
     types = (nn.LayerNorm,)
 
+    def needs_input(self, keys):
+        return "weight" in keys
+
     def on_backprop(self, use):
         m = use.module
-        dt = acc_dtype(use.inp.dtype)
-        x = use.inp.to(dt)
-        xhat = F.layer_norm(x, m.normalized_shape, None, None, m.eps)
+        dt = acc_dtype(use.g.dtype)
         g = use.g.to(dt)
-        dims = tuple(range(1, x.dim() - len(m.normalized_shape)))
+        dims = tuple(range(1, g.dim() - len(m.normalized_shape)))
         st = {}
         if "weight" in use.keys:
+            xhat = F.layer_norm(use.inp.to(dt), m.normalized_shape, None, None, m.eps)
             st["weight"] = (g * xhat).sum(dims) if dims else g * xhat
         if "bias" in use.keys:
             st["bias"] = g.sum(dims) if dims else g
@@ -703,8 +713,9 @@ class _Tap(torch.autograd.Function):
     each tap (and no parameter), so no weight gradient is ever computed. The input is kept as a
     saved tensor of the tap, not by the sampler: inside a segment of (non-reentrant) activation
     checkpointing, autograd then frees it after the forward and recomputes it for the backward,
-    as it does the segment's own saved tensors; and an in-place change to it before the backward
-    is refused by autograd's version check.
+    as it does the segment's own saved tensors. (An in-place change to it after the call is
+    refused by ``GradSampler.contribution``, autograd's version check standing behind.) A layer
+    whose per-example gradients do not need the input (a frozen weight's) keeps None.
     """
 
     @staticmethod
@@ -798,6 +809,7 @@ class GradSampler:
         self._mode: str | None = None
         self._waiting = 0  # backwards made by ``contribution`` and not yet run
         self._ungraded: list[str] = []  # hooked layers called without autograd in this capture
+        self._replayed = False  # a checkpointed segment was recomputed in the backward running
         self._anchor: torch.Tensor | None = None
         #: the layout check (see ``_check_layout``): backprops of the signed probe, then its result
         self._probes: dict[int, torch.Tensor] | None = None
@@ -827,8 +839,10 @@ class GradSampler:
             return None
         h = self._handler[id(module)]
         functional = h is FUNCTIONAL
+        keys = tuple(self._local[id(module)])
         x = args[0] if args else next(iter(kwargs.values()), None)
-        inp = x.detach() if isinstance(x, torch.Tensor) and not functional else None
+        x = x if isinstance(x, torch.Tensor) else None
+        inp = x.detach() if x is not None and not functional and h.needs_input(keys) else None
         B = self._batch_size
         if output.shape[0] == 1 and B > 1:
             # A layer shared by the whole batch through broadcasting (BERT's position embeddings
@@ -843,18 +857,19 @@ class GradSampler:
         if fold > 1:
             # A batch-major flattened input, [B·T, F] (OPT's feed-forward reshapes [B, T, F] so):
             # example i owns rows i·T .. (i+1)·T − 1.
-            if functional or inp is None or inp.shape[0] != output.shape[0]:
+            if functional or x is None or x.shape[0] != output.shape[0]:
                 raise UserError(f"per-example gradients: layer {self._names[id(module)]} sees a leading dimension "
                                 f"{output.shape[0]} that is not the batch size {B}")
-            inp = inp.reshape(B, fold, *inp.shape[1:])
+            inp = inp.reshape(B, fold, *inp.shape[1:]) if inp is not None else None
         elif output.shape[0] != B:
             raise UserError(f"per-example gradients: layer {self._names[id(module)]} sees a leading dimension "
                             f"{output.shape[0]} that is not the batch size {B}")
         if replay:
             # A checkpointed segment's forward, run again to recompute its saved tensors: the same
             # tap saves the same input in the same order, which is how the checkpoint matches them.
+            self._replayed = True
             return _Tap.apply(output, _REPLAY_ANCHOR, inp, _ignore)
-        use = Use(module, None, None, 0, keys=tuple(self._local[id(module)]))
+        use = Use(module, None, keys=keys)
         if functional:
             use.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             use.kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
@@ -877,8 +892,11 @@ class GradSampler:
             self._anchor = torch.zeros((), device=output.device, requires_grad=True)
         tapped = _Tap.apply(output, self._anchor, inp, on_backprop)
         # Views share their base's version counter, and a view keeps its base alive: while anything
-        # could still modify the output in place, the weak reference resolves.
-        use.out, use.version = weakref.ref(tapped._base if tapped._base is not None else tapped), tapped._version
+        # could still modify the output (or the kept input) in place, the weak reference resolves.
+        out = tapped._base if tapped._base is not None else tapped
+        use.watch = ((weakref.ref(out), out._version, "output"),)
+        if inp is not None:
+            use.watch += ((weakref.ref(x), x._version, "input"),)
         if start is not None:
             use.call = (start, tapped.grad_fn)
         self._uses.setdefault(id(module), []).append(use)
@@ -998,7 +1016,8 @@ class GradSampler:
             raise UserError(f"per-example gradients: the output rows of layer {self._names[id(use.module)]} "
                             f"({type(use.module).__name__}) are not one example each; dimension 0 must be the batch "
                             "(or batch-major blocks of it), not a batch concatenated with itself or a sequence-first "
-                            "layout")
+                            "layout; or the forward is not a deterministic function of the batch (a checkpointed "
+                            "block recomputed with other random numbers: dropout with preserve_rng_state=False)")
 
     def _check_uses(self, uses: list[Use], root) -> None:
         """Once, on the first micro-batch: every use of a parameter that the loss reaches must be
@@ -1079,22 +1098,12 @@ class GradSampler:
         ``cls`` (a HookContribution subclass) and ``extra`` fields let a plugin emit its own space.
         """
         uses = [u for m, _, _ in self.layers for u in self._uses.get(id(m), [])]
-        if self._ungraded:
-            names, self._ungraded, self._uses = sorted(set(self._ungraded)), [], {}
+        try:
+            self._refuse_unseen(uses, losses)
+        except UserError:
+            self._uses, self._ungraded, self._anchor = {}, [], None
             self._done_waiting(0)
-            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-            raise UserError(f"per-example gradients: layer {names[0]}{more} ran without autograd in the forward "
-                            "(under torch.no_grad, or in a segment of reentrant activation "
-                            "checkpointing, torch.utils.checkpoint with use_reentrant=True, whose backward the hooks "
-                            "cannot see); its trainable parameters would escape the per-example gradients. Use "
-                            "use_reentrant=False (Hugging Face's gradient_checkpointing_enable() does by default), "
-                            "or freeze those parameters")
-        for u in uses:
-            out = u.out() if u.out is not None else None
-            if out is not None and out._version != u.version:
-                raise UserError(f"per-example gradients: the output of {type(u.module).__name__} is modified in "
-                                "place later in the forward pass (e.g. ReLU(inplace=True)); disable in-place ops")
-            u.out = None
+            raise
         finite = torch.isfinite(losses)
         zero = torch.zeros((), dtype=losses.dtype, device=losses.device)
         total = torch.where(finite, losses, zero).sum()
@@ -1114,6 +1123,32 @@ class GradSampler:
         self._done_waiting(0)
         return (cls or HookContribution)(_records=self._records([]), pending=pending, n=losses.shape[0],
                                          losses=losses.detach(), finite=finite, params=self.params, **extra)
+
+    def _refuse_unseen(self, uses: list[Use], losses: torch.Tensor) -> None:
+        """Refuse a forward whose gradient would pass the hooks unseen or wrong:
+
+        * a hooked layer that ran without autograd where a custom autograd Function reaches the
+          loss: reentrant activation checkpointing (``use_reentrant=True``) runs its segment so and
+          backprops it itself in the backward, so those layers would escape the per-example
+          gradients (a layer run under ``torch.no_grad`` alone passes no gradient, and is fine);
+        * a layer's output, or its kept input, changed in place after the layer's call."""
+        ungraded, self._ungraded = sorted(set(self._ungraded)), []
+        if ungraded and losses.grad_fn is not None and any(
+                getattr(node, "_forward_cls", _Tap) is not _Tap for node in _graph_consumers(losses.grad_fn)):
+            more = f" (and {len(ungraded) - 1} more)" if len(ungraded) > 1 else ""
+            raise UserError(f"per-example gradients: layer {ungraded[0]}{more} ran without autograd inside a custom "
+                            "autograd function that reaches the loss, as reentrant activation checkpointing "
+                            "(torch.utils.checkpoint with use_reentrant=True) runs its segment; the hooks cannot see "
+                            "that segment's backward, and its trainable parameters would escape the per-example "
+                            "gradients. Use use_reentrant=False (Hugging Face's gradient_checkpointing_enable() and "
+                            "dpregistry.checkpoint_blocks do), or freeze those parameters")
+        for u in uses:
+            for ref, version, what in u.watch:
+                t = ref()
+                if t is not None and t._version != version:
+                    raise UserError(f"per-example gradients: the {what} of {type(u.module).__name__} is modified in "
+                                    "place later in the forward pass (e.g. ReLU(inplace=True)); disable in-place ops")
+            u.watch = ()
 
     def _records(self, uses: list[Use]) -> list:
         """(handler, local names, calls) of each layer, in registration order."""
@@ -1166,10 +1201,19 @@ class _Backward:
         elif two:
             s._pass = _Pass("norms", shared=_shared_names(self.uses, s._local))
         s._probes, s._signs = self.probes
-        ran = False
+        ran, s._replayed = False, False
         try:
             with s._replaying(self.losses.shape[0]):
                 torch.autograd.grad(total, [self.anchor], allow_unused=True, retain_graph=two)
+            if two and s._replayed:
+                # The second backward would recompute the segments again: norms from one
+                # recomputation would have to bound sums from another, which a recomputation that
+                # differs (dropout without the saved random state, a random draw of the model's own)
+                # breaks. One pass takes both from the same state.
+                raise UserError("passes: 2 cannot be used with activation checkpointing: the second backward "
+                                "recomputes the checkpointed blocks, and norms from one recomputation need not "
+                                "bound the sums of another; use passes: 1, or privatizer.clipping: per_layer "
+                                "(which frees each layer as it goes)", key="estimator.passes")
             ran = True
         finally:
             s._probes = s._signs = s._pass = None
