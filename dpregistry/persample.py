@@ -53,10 +53,11 @@ Activation checkpointing (non-reentrant ``torch.utils.checkpoint``; ``checkpoint
 :mod:`dpregistry.objectives`): each tap keeps its layer's input as a saved tensor, so a segment's
 inputs are freed after the forward like its other activations, and the hooks stay registered until
 no backward of ours waits, so the segment's forward, run again inside that backward, gets the same
-taps and the checkpoint matches the recomputed inputs to them. Reentrant checkpointing runs its
-segment without grad, where no hook can see it, and is refused (as is any hooked layer run without
-autograd in the forward). With per-layer clipping or two passes no layer's state waits for the
-others, so the backward then holds one segment's activations at a time.
+taps and the checkpoint matches the recomputed inputs to them. With per-layer clipping no layer's
+state waits for the others, so the backward then holds one segment's activations at a time. Two
+passes refuse checkpointing: the second backward would recompute the segments again, and norms
+from one recomputation need not bound sums from another. Reentrant checkpointing runs its segment
+without grad, where no hook can see it, and is refused.
 
 Hooks see a parameter only where its layer is called. On the first micro-batch (estimators run
 it at setup, on two examples), ``GradSampler`` reads the autograd graph and refuses, naming the
@@ -69,6 +70,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -360,11 +362,11 @@ class Use:
     #: the layer's input: kept by the tap (a saved tensor), here from its backprop's arrival until
     #: the handler has made its state
     inp: Any
-    keys: tuple = ()
+    keys: tuple = ()  # the module's local names of the parameters this call accounts for
     #: (weak reference, version, "output" or "input") of the tensors the in-place check watches: the
     #: output's base and the kept input. Holding them would keep alive what the forward frees (a
     #: layer's output consumed by a residual sum, a checkpointed segment's activations).
-    watch: tuple = ()  # the module's local names of the parameters this call accounts for
+    watch: tuple = ()
     g: torch.Tensor | None = None
     call: tuple | None = None  # (sequence mark before the call, the tap's node), for the use check
     args: tuple = ()
@@ -962,20 +964,16 @@ class GradSampler:
 
         return _Ctx()
 
+    @contextmanager
     def _replaying(self, batch_size: int):
         """Around a backward of ours: a checkpointed segment's forward that runs again in it gets
         the taps it had (``_hook``), for the batch size of the capture that made it."""
-        sampler = self
-
-        class _Ctx:
-            def __enter__(self_):
-                self_.saved = sampler._mode, getattr(sampler, "_batch_size", None)
-                sampler._mode, sampler._batch_size = "replay", batch_size
-
-            def __exit__(self_, *exc):
-                sampler._mode, sampler._batch_size = self_.saved
-
-        return _Ctx()
+        saved = self._mode, getattr(self, "_batch_size", None)
+        self._mode, self._batch_size = "replay", batch_size
+        try:
+            yield
+        finally:
+            self._mode, self._batch_size = saved
 
     def _done_waiting(self, backwards: int = 1) -> None:
         """A backward of ours has run (or will not): the hooks go once none waits and no capture runs."""
