@@ -66,7 +66,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 METHODS = ("adam", "adam_noise", "dp_adam", "dp_adam_2p", "dp_adam_pl", "dp_grape", "dp_grape_e", "opacus_ghost", "opacus_hooks",
            "dp_grape_2p", "dp_grape_pl", "adam_ckpt", "dp_adam_pl_ckpt", "dp_grape_pl_ckpt", "opacus_ghost_ckpt")
-DEFAULT_METHODS = ("adam", "adam_noise", "dp_adam", "dp_grape", "opacus_ghost")
+DEFAULT_METHODS = ("adam", "adam_noise", "dp_adam", "dp_adam_pl_ckpt", "dp_grape", "opacus_ghost")
 TIME_ONLY = {"adam_noise"}
 BATCHES = (8, 16, 32, 64, 128, 256)
 MODELS = {
