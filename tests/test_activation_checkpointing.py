@@ -4,10 +4,10 @@ Non-reentrant checkpointing (Hugging Face's ``gradient_checkpointing_enable()``)
 activations after the forward and runs the segment's forward again inside the backward. The hooks
 keep each layer's input as a saved tensor of the layer's tap, so the input is freed and
 recomputed with the rest, and the recomputed forward gets the same taps. The norms and clipped sums
-must then be those of one-example-at-a-time autograd (``clipped`` from the autograd tests), in
-both pass modes, with micro-batches of unequal size (the recomputation must take the batch size of
-its own capture) and per layer. Reentrant checkpointing hides its segment from the hooks and is
-refused, as is any hooked layer called without autograd.
+must then be those of one-example-at-a-time autograd (``clipped`` from the autograd tests), with
+micro-batches of unequal size (the recomputation must take the batch size of its own capture) and
+per layer; two passes, which would recompute twice, are refused. Reentrant checkpointing hides its
+segment from the hooks and is refused; a layer run under torch.no_grad alone is not.
 """
 
 from __future__ import annotations
