@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from dpregistry import Objective, Privatizer, Release, StageParams, UserError
+from dpregistry import NoiseStd, Objective, Privatizer, Release, StageParams, UserError
 from dpregistry.clipping import clip_and_sum
 from dpregistry.privacy.events import Gaussian, clipped_sum_sensitivity
 from dpregistry.spaces import GRADIENT, INCREMENT, DenseAggregate
@@ -35,6 +35,10 @@ class ScheduledGaussian(Privatizer):
     name = "scheduled_gaussian"
     Params = ScheduledParams
     needs = (Objective,)  # for ``auto``: its declared constants (KLConstants)
+    provides = (NoiseStd,)  # each release states the std of the noise on its value, std/n
+
+    def provide(self, kind):
+        return NoiseStd()
 
     def setup(self, ctx):
         self.relation = ctx.relation
@@ -85,7 +89,11 @@ class SpiderGaussian(ScheduledGaussian):
     release is the running noisy estimate v = anchor + Σ increments, reset at each anchor; v is
     post-processing of the noisy queries, so the round-end test on ‖v‖ is free, and
     v − ∇F(w) is exactly the sum of the noise added since the anchor (Lemma 2's telescoping).
+    A release's ``noise_std`` is that of the noise it added, not of the noise on v, which sums the
+    round's: so it does not provide ``NoiseStd``.
     """
+
+    provides = ()
 
     name = "spider_gaussian"
     accepts_kinds = frozenset({GRADIENT, INCREMENT})
