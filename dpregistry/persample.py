@@ -897,8 +897,11 @@ class GradSampler:
         # could still modify the output (or the kept input) in place, the weak reference resolves.
         out = tapped._base if tapped._base is not None else tapped
         use.watch = ((weakref.ref(out), out._version, "output"),)
-        if inp is not None:
-            use.watch += ((weakref.ref(x), x._version, "input"),)
+        # the kept input, or every tensor argument the vmap fallback keeps (held by the sampler, not
+        # saved by autograd, so no version check of autograd's stands behind)
+        kept = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)] if functional else \
+            [x] if inp is not None else []
+        use.watch += tuple((weakref.ref(a), a._version, "input") for a in kept)
         if start is not None:
             use.call = (start, tapped.grad_fn)
         self._uses.setdefault(id(module), []).append(use)

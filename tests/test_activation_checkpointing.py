@@ -185,6 +185,30 @@ def test_a_layer_input_changed_in_place_after_the_call_is_refused_where_the_grad
     torch.testing.assert_close(c.norms(), (2 * out.detach()).norm(dim=1))  # ∂‖out‖²/∂bias = 2·out
 
 
+def test_an_argument_of_a_vmap_fallback_layer_changed_in_place_after_the_call_is_refused():
+    """The vmap fallback keeps its layer's arguments (not autograd: no version check behind it). An
+    in-place change after the call that mixes the batch would make example i's "per-example"
+    gradient depend on the others (here the norms drop to those of x − mean): refused in words."""
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s = nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+        def forward(self, x):
+            return x * self.s
+
+    torch.manual_seed(0)
+    m = Scale()
+    gs = GradSampler(m, dict(m.named_parameters()))
+    with torch.enable_grad(), gs.capture(3):
+        x = torch.randn(3, 4, dtype=torch.float64) + 0  # not a leaf: in place is allowed on it
+        losses = m(x).sum(1)
+        x.sub_(x.mean(0))
+    with pytest.raises(UserError, match="the input of Scale is modified in place"):
+        gs.contribution(losses)
+
+
 def test_a_recipe_run_with_activation_checkpointing_trains_exactly_as_without(tmp_path):
     """``model.activation_checkpointing`` wraps MiniLM's six blocks (the objective runs in eval mode,
     where Hugging Face's own switch would not checkpoint); the run's steps are the same numbers."""
