@@ -77,6 +77,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import UserError
 from .spaces import Aggregate, DenseAggregate, DenseContribution, acc_dtype, _mask_rows
@@ -733,6 +734,19 @@ class _Tap(torch.autograd.Function):
         return g, None, None, None
 
 
+class _SegmentWatch(TorchDispatchMode):
+    """Around a forward: whether any op ran with saved-tensor hooks in force, as it does inside a
+    segment of non-reentrant activation checkpointing (whose hooks drop the saved tensors for a
+    recomputation), hooked layers or not."""
+
+    seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.seen and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
 def _ignore(g, inp) -> None:
     """The tap of a recomputed call (see ``GradSampler._hook``): its backward never runs."""
 
@@ -811,7 +825,7 @@ class GradSampler:
         self._mode: str | None = None
         self._waiting = 0  # backwards made by ``contribution`` and not yet run
         self._ungraded: list[str] = []  # hooked layers called without autograd in this capture
-        self._replayed = False  # a checkpointed segment was recomputed in the backward running
+        self._segments = False  # the forward ran ops inside a checkpointed segment (two passes only)
         self._anchor: torch.Tensor | None = None
         #: the layout check (see ``_check_layout``): backprops of the signed probe, then its result
         self._probes: dict[int, torch.Tensor] | None = None
@@ -869,7 +883,6 @@ class GradSampler:
         if replay:
             # A checkpointed segment's forward, run again to recompute its saved tensors: the same
             # tap saves the same input in the same order, which is how the checkpoint matches them.
-            self._replayed = True
             return _Tap.apply(output, _REPLAY_ANCHOR, inp, _ignore)
         use = Use(module, None, keys=keys)
         if functional:
@@ -953,9 +966,15 @@ class GradSampler:
                     sampler._pre_handles = [m.register_forward_pre_hook(sampler._pre_hook, with_kwargs=True)
                                             for m, _, _ in sampler.layers]
                 sampler._mode = "capture"
+                self_.segments = _SegmentWatch() if sampler.passes == 2 else None
+                if self_.segments is not None:
+                    self_.segments.__enter__()
                 return sampler
 
             def __exit__(self_, exc_type, *exc):
+                if self_.segments is not None:
+                    self_.segments.__exit__(exc_type, *exc)
+                    sampler._segments = self_.segments.seen
                 sampler._mode = None
                 for h in sampler._pre_handles:
                     h.remove()
@@ -1132,7 +1151,18 @@ class GradSampler:
           loss: reentrant activation checkpointing (``use_reentrant=True``) runs its segment so and
           backprops it itself in the backward, so those layers would escape the per-example
           gradients (a layer run under ``torch.no_grad`` alone passes no gradient, and is fine);
-        * a layer's output, or its kept input, changed in place after the layer's call."""
+        * a layer's output, or its kept input, changed in place after the layer's call;
+        * two passes over a forward that ran checkpointed segments: the second backward would
+          recompute them again, and norms taken from one recomputation need not bound sums taken
+          from another (a segment recomputed with other random numbers: dropout with
+          ``preserve_rng_state=False``, a generator of the model's own). One pass, or per-layer
+          clipping, takes both from the same state."""
+        if self._segments:
+            self._segments = False
+            raise UserError("passes: 2 cannot be used with activation checkpointing (or other saved-tensor hooks): "
+                            "the second backward recomputes the checkpointed segments, and norms from one "
+                            "recomputation need not bound the sums of another; use passes: 1, or "
+                            "privatizer.clipping: per_layer (which frees each layer as it goes)", key="estimator.passes")
         ungraded, self._ungraded = sorted(set(self._ungraded)), []
         if ungraded and losses.grad_fn is not None and any(
                 getattr(node, "_forward_cls", _Tap) is not _Tap for node in _graph_consumers(losses.grad_fn)):
@@ -1202,19 +1232,10 @@ class _Backward:
         elif two:
             s._pass = _Pass("norms", shared=_shared_names(self.uses, s._local))
         s._probes, s._signs = self.probes
-        ran, s._replayed = False, False
+        ran = False
         try:
             with s._replaying(self.losses.shape[0]):
                 torch.autograd.grad(total, [self.anchor], allow_unused=True, retain_graph=two)
-            if two and s._replayed:
-                # The second backward would recompute the segments again: norms from one
-                # recomputation would have to bound sums from another, which a recomputation that
-                # differs (dropout without the saved random state, a random draw of the model's own)
-                # breaks. One pass takes both from the same state.
-                raise UserError("passes: 2 cannot be used with activation checkpointing: the second backward "
-                                "recomputes the checkpointed blocks, and norms from one recomputation need not "
-                                "bound the sums of another; use passes: 1, or privatizer.clipping: per_layer "
-                                "(which frees each layer as it goes)", key="estimator.passes")
             ran = True
         finally:
             s._probes = s._signs = s._pass = None

@@ -69,6 +69,41 @@ def test_two_passes_are_refused_with_checkpointing_at_setup(grape):
     assert e.value.key == "estimator.passes"
 
 
+class DropoutSegment(nn.Module):
+    """A checkpointed segment with no trainable layer in it, whose recomputation draws new dropout
+    masks (preserve_rng_state=False): no hook runs inside it, and the second backward of two passes
+    would see other masks than the first (the second review: sums up to 1.05·C)."""
+
+    def __init__(self, ckpt=True):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        def segment(t):
+            return F.dropout(torch.tanh(t), 0.3, training=True)
+
+        h = self.a(x)
+        h = checkpoint(segment, h, use_reentrant=False, preserve_rng_state=False) if self.ckpt else segment(h)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_two_passes_are_refused_with_a_checkpointed_segment_that_holds_no_layer(ckpt):
+    """Without the checkpoint the same dropout is kept in the graph both backwards share: accepted."""
+    torch.manual_seed(0)
+    model = DropoutSegment(ckpt)
+    x, y = torch.randn(4, 8), torch.arange(4) % 2
+    gs = GradSampler(model, dict(model.named_parameters()), passes=2)
+    losses = lambda idx: F.cross_entropy(model(x[idx]), y[idx], reduction="none")  # noqa: E731
+    if not ckpt:
+        gs.check_model(losses, 4)
+        return
+    with pytest.raises(UserError, match="passes: 2 cannot be used") as e:
+        gs.check_model(losses, 4)
+    assert e.value.key == "estimator.passes"
+
+
 def test_dp_grape_on_a_checkpointed_model():
     clipped(*bert_case(True), 6, grape=4)
 
@@ -290,7 +325,8 @@ def test_the_hooks_leave_the_model_whatever_becomes_of_a_capture(passes):
         model(torch.randn(4, 5, 8))
     assert hooks_on(model) == 0
     copy.deepcopy(model)
-    with pytest.raises(UserError, match="not one example each"):  # T = B: refused inside the backward
+    # T = B: refused inside the backward; two passes refuse the checkpointed forward before it
+    with pytest.raises(UserError, match="not one example each" if passes == 1 else "passes: 2 cannot be used"):
         gs.check_model(lambda idx: model(torch.randn(len(idx), len(idx), 8)), 4)
     assert hooks_on(model) == 0
 
