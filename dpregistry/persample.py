@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -816,6 +816,7 @@ class GradSampler:
         #: per-layer clipping's groups: each layer, with the layers that share a parameter with it merged
         self._group_of, self.n_clip_groups = _layer_groups(self.layers)
         self._uses: dict[int, list[Use]] = {}
+        self._batch_size = 0  # of the capture in progress (or, while replaying, of the backward's)
         #: the forward hooks stay from a capture until no backward waits: a checkpointed segment's
         #: forward runs again inside the backward, and must put the same taps on its outputs
         self._handles = []
@@ -949,48 +950,46 @@ class GradSampler:
             use.sums = h.weighted(use, p.mask)
             use.drop()
 
+    @contextmanager
     def capture(self, batch_size: int):
-        sampler = self
+        """Around one forward pass of ``batch_size`` examples: its hooked calls become the uses of the
+        next ``contribution``."""
+        self._batch_size = batch_size
+        self._uses, self._anchor, self._ungraded = {}, None, []
+        if not self._handles:
+            self._handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m, _, _ in self.layers]
+        if not self._uses_checked:  # mark where each call starts, for the use check
+            self._starts = {}
+            self._pre_handles = [m.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+                                 for m, _, _ in self.layers]
+        self._mode = "capture"
+        segments = _SegmentWatch() if self.passes == 2 else None
+        failed = True
+        try:
+            with segments if segments is not None else nullcontext():
+                yield self
+            failed = False
+        finally:
+            if segments is not None:
+                self._segments = segments.seen
+            self._mode = None
+            for h in self._pre_handles:
+                h.remove()
+            self._pre_handles, self._starts = [], None
+            if failed:  # no contribution will be made of this forward
+                self._drop_capture()
 
-        class _Ctx:
-            def __enter__(self_):
-                sampler._batch_size = batch_size
-                sampler._uses = {}
-                sampler._anchor = None
-                sampler._ungraded = []
-                if not sampler._handles:
-                    sampler._handles = [m.register_forward_hook(sampler._hook, with_kwargs=True)
-                                        for m, _, _ in sampler.layers]
-                if not sampler._uses_checked:  # mark where each call starts, for the use check
-                    sampler._starts = {}
-                    sampler._pre_handles = [m.register_forward_pre_hook(sampler._pre_hook, with_kwargs=True)
-                                            for m, _, _ in sampler.layers]
-                sampler._mode = "capture"
-                self_.segments = _SegmentWatch() if sampler.passes == 2 else None
-                if self_.segments is not None:
-                    self_.segments.__enter__()
-                return sampler
-
-            def __exit__(self_, exc_type, *exc):
-                if self_.segments is not None:
-                    self_.segments.__exit__(exc_type, *exc)
-                    sampler._segments = self_.segments.seen
-                sampler._mode = None
-                for h in sampler._pre_handles:
-                    h.remove()
-                sampler._pre_handles = []
-                sampler._starts = None
-                if exc_type is not None:  # no contribution will be made of this forward: drop its calls
-                    sampler._uses, sampler._ungraded, sampler._anchor = {}, [], None
-                    sampler._done_waiting(0)
-
-        return _Ctx()
+    def _drop_capture(self) -> None:
+        """Forget the captured calls (a forward that raised, or one refused): the hooks go if no
+        backward waits."""
+        self._uses, self._ungraded, self._anchor = {}, [], None
+        self._done_waiting(0)
 
     @contextmanager
     def _replaying(self, batch_size: int):
         """Around a backward of ours: a checkpointed segment's forward that runs again in it gets
         the taps it had (``_hook``), for the batch size of the capture that made it."""
-        saved = self._mode, getattr(self, "_batch_size", None)
+        saved = self._mode, self._batch_size
         self._mode, self._batch_size = "replay", batch_size
         try:
             yield
@@ -1121,8 +1120,7 @@ class GradSampler:
         try:
             self._refuse_unseen(uses, losses)
         except UserError:
-            self._uses, self._ungraded, self._anchor = {}, [], None
-            self._done_waiting(0)
+            self._drop_capture()
             raise
         finite = torch.isfinite(losses)
         zero = torch.zeros((), dtype=losses.dtype, device=losses.device)
