@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from conftest import make_run, write_recipe
 from dpregistry.folder import resume_run
 from dpregistry.errors import UserError
-from dpregistry.privacy import secret
+from dpregistry.privacy import chacha, secret
 from dpregistry.rng import NOISE_KEY_ENV, RunRNG, key_from_env
 from test_core_cli import dpreg
 
@@ -272,3 +272,94 @@ def test_cipher_uniforms_sample_at_the_requested_rate():
     u = secret.CipherStream(secret.new_key()).uniform(200_000)
     assert u.dtype == torch.float64 and float(u.min()) > 0 and float(u.max()) <= 1
     assert abs(float((u <= 0.016).double().mean()) - 0.016) < 5 * math.sqrt(0.016 / 200_000)
+
+
+# -- the device half: ChaCha20 in torch ops, for noise drawn where the tensors live -------------
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Device chunks of 1,000 outputs (4 M by default; the eager CPU run of one takes seconds)."""
+    monkeypatch.setattr(chacha, "CHUNK", 1000)
+
+
+@pytest.mark.parametrize("first", [0, 5, (1 << 32) + 5])  # the last has a high word (64-bit counter)
+def test_the_torch_chacha20_keystream_is_that_of_the_cryptography_library(first):
+    key = secret.new_key()
+    blocks = 7
+    nonce = (first & 0xFFFFFFFF).to_bytes(4, "little") + (first >> 32).to_bytes(4, "little") + bytes(8)
+    expect = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update(bytes(64 * blocks))
+    got = chacha.keystream(chacha.key_words(key, "cpu"), torch.tensor(first), blocks)
+    assert got.numpy().tobytes() == expect
+
+
+def test_device_gaussians_are_the_float64_formula_on_the_chacha_keystream(monkeypatch):
+    """The device half draws each output exactly as the AES half does (the normalised sum of one
+    Box–Muller sample of each of two pairs), from ChaCha20 under HMAC(key, "device"), a chunk of
+    m outputs reading pair j's radius from word j and its angle from word m + j."""
+    key = secret.new_key()
+    n = 10
+    monkeypatch.setattr(chacha, "CHUNK", n)
+    z = secret.CipherStream(key).randn((n,), dtype=torch.float64, device="meta")
+    assert z.device.type == "meta"  # drawn on the tensors' device (meta: shapes only)
+    z = _device_randn(key, n)
+    m, h = n, n // 2
+    stream = Cipher(algorithms.ChaCha20(secret.subkey(key, "device"), bytes(16)), mode=None).encryptor() \
+        .update(bytes(16 * m))
+    words = np.frombuffer(stream, dtype=np.uint64)
+    rho = [math.sqrt(-math.log(1 - (int(w) >> 12) / 2.0 ** 52)) for w in words[:m]]
+    th = [math.pi * int(w) / 2.0 ** 63 for w in words[m:].view(np.int64)]
+    expect = [rho[j] * math.cos(th[j]) + rho[j + h] * math.cos(th[j + h]) for j in range(h)] + \
+             [rho[j] * math.sin(th[j]) + rho[j + h] * math.sin(th[j + h]) for j in range(h)]
+    assert z.tolist() == pytest.approx(expect, rel=1e-12, abs=1e-9)
+
+
+def test_the_extreme_words_give_finite_device_samples(monkeypatch, small_chunks):
+    """The torch transform's bit operations on int64 (arithmetic shifts of words with the top bit
+    set, the sign taken from the angle word) at the extreme words, against the float64 formula."""
+    extremes = np.array([0, 2 ** 64 - 1, 1 << 12, 2 ** 63, 2 ** 63 - 1, 1], dtype=np.uint64)
+    m = len(extremes)
+    a, b = np.repeat(extremes, m), np.tile(extremes, m)
+    words = torch.from_numpy(np.concatenate([a, b]).view(np.int64))
+    z = chacha.gaussians_from_words(words, m * m)
+    assert bool(torch.isfinite(z).all())
+    rho = [math.sqrt(-math.log(1 - (int(w) >> 12) / 2.0 ** 52)) for w in a]
+    th = [math.pi * int(w) / 2.0 ** 63 for w in b.view(np.int64)]
+    h = m * m // 2
+    expect = [rho[j] * math.cos(th[j]) + rho[j + h] * math.cos(th[j + h]) for j in range(h)] + \
+             [rho[j] * math.sin(th[j]) + rho[j + h] * math.sin(th[j + h]) for j in range(h)]
+    assert z.tolist() == pytest.approx(expect, rel=1e-12, abs=1e-7)
+
+
+def _device_randn(key: bytes, n: int) -> torch.Tensor:
+    """The device half's next n Gaussians, computed on the CPU (CI has no GPU; the ops are the same)."""
+    out = torch.empty(n, dtype=torch.float64)
+    secret.CipherStream(key)._device_chunks(n, torch.device("cpu"), lambda s, z: out[s:s + len(z)].copy_(z))
+    return out
+
+
+def test_device_gaussians_are_standard_normal_across_chunks(small_chunks):
+    from scipy import stats
+
+    n = 200_003
+    z = _device_randn(secret.new_key(), n)
+    assert abs(float(z.mean())) < 5 / math.sqrt(n) and abs(float(z.std()) - 1) < 0.01
+    assert stats.kstest(z.numpy(), "norm").pvalue > 1e-4
+    assert len(torch.unique(z)) == n  # no chunk repeats another's blocks
+
+
+def test_device_noise_is_added_as_one_stream_over_the_tensors(small_chunks):
+    """As on the CPU: std·z laid end to end over the tensors, chunks crossing tensor boundaries,
+    each dtype rounded once from float64; a non-contiguous tensor gets its elements in row order."""
+    key = secret.new_key()
+    shapes = [((5, 7), torch.float32), ((1003,), torch.float32), ((3,), torch.float64),
+              ((700,), torch.bfloat16), ((10,), torch.float16), ((40, 30), torch.float32)]
+    ts = [torch.full(s, 0.5, dtype=d) for s, d in shapes]
+    ts[-1] = ts[-1].t()  # not contiguous
+    secret.CipherStream(key)._add_noise_on_device(ts, 2.0)
+    z = 2.0 * _device_randn(key, sum(t.numel() for t in ts))
+    start = 0
+    for t in ts:
+        k = t.numel()
+        assert torch.equal(t.reshape(-1), (0.5 + z[start:start + k]).to(t.dtype))
+        start += k

@@ -18,6 +18,10 @@ pair's two words), and one pair's two samples go to two different outputs.
 The work is cut into fixed chunks of ``CHUNK`` outputs that each read their own range of blocks,
 so the numbers do not depend on how many threads compute them. Both AES (``cryptography``) and
 the float64 arithmetic (NumPy, torch) release the GIL, so chunks run on a thread pool.
+
+Tensors on another device (a GPU) get their noise drawn there, by the same formula from a
+ChaCha20 keystream under HMAC(stream key, "device") (:mod:`dpregistry.privacy.chacha`): copying
+AES noise from the host made the noise most of a GPU step.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+from . import chacha
 
 KEY_BYTES = 32
 CHUNK = 1 << 17                     # outputs per chunk: enough to make the per-call overhead small
@@ -187,6 +193,7 @@ class CipherStream(SecretStream):
             raise ValueError("a stream key has 256 bits")
         self._key = key
         self.position = 0
+        self.device_position = 0  # ChaCha20 blocks used under the device key (see _device_chunks)
 
     def _take(self, blocks: int) -> int:
         first, self.position = self.position, self.position + blocks
@@ -209,9 +216,27 @@ class CipherStream(SecretStream):
 
         _POOL.map(chunk, range(len(firsts)))
 
+    def _device_chunks(self, n: int, device, fn) -> None:
+        """fn(start, z) for consecutive chunks z (float64, on ``device``) of the next n Gaussians of
+        this stream's device half: ChaCha20 under HMAC(key, "device") in torch ops, so that a GPU's
+        noise is drawn on the GPU (``chacha``). The two halves are independent streams; a stream
+        gives the same numbers for the same draws on every device of a kind. Each call starts
+        a fresh chunk (the compiled kernel has one shape)."""
+        key = chacha.key_words(subkey(self._key, "device"), device)
+        step = chacha.blocks_for(chacha.CHUNK)
+        start = torch.tensor(self.device_position, dtype=torch.int64, device=device)
+        for s in range(0, n, chacha.CHUNK):
+            z = chacha.gaussian_chunk(key, start)
+            start, self.device_position = start + step, self.device_position + step
+            fn(s, z[:min(chacha.CHUNK, n - s)])
+
     def randn(self, shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         n = math.prod(shape)
+        if torch.device(device).type != "cpu":
+            out = torch.empty(n, dtype=dtype, device=device)
+            self._device_chunks(n, out.device, lambda s, z: out[s:s + len(z)].copy_(z))
+            return out.view(shape)
         out = np.empty(n, dtype=np.float64 if dtype == torch.float64 else np.float32)
         self._chunks(n, lambda s, z: np.copyto(out[s:s + len(z)], z))
         return torch.from_numpy(out).view(shape).to(device=device, dtype=dtype)
@@ -220,7 +245,10 @@ class CipherStream(SecretStream):
         """t += std·z for every t, the z of all of them drawn as one stream and added chunk by
         chunk (no buffer of their size, the work spread over the pool). The sum is taken in
         float64 and rounded once."""
-        if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        devices = {t.device for t in tensors}
+        if len(devices) == 1 and next(iter(devices)).type != "cpu":
+            return self._add_noise_on_device(tensors, std)
+        if len(devices) > 1 or not all(t.is_contiguous() for t in tensors):
             return super().add_noise_(tensors, std)
         flats = [t.detach().view(-1) for t in tensors]
         ends = np.cumsum([f.numel() for f in flats]).tolist()
@@ -242,6 +270,27 @@ class CipherStream(SecretStream):
                         piece[i:i + _HALF].add_(torch.from_numpy(part[i:i + _HALF]))
 
         self._chunks(ends[-1] if ends else 0, add)
+
+    def _add_noise_on_device(self, tensors: list[torch.Tensor], std: float) -> None:
+        """As add_noise_, with the Gaussians drawn on the tensors' device, chunk by chunk."""
+        flats = [t.detach().view(-1) if t.is_contiguous() else t.detach().reshape(-1) for t in tensors]
+        ends = np.cumsum([f.numel() for f in flats]).tolist()
+
+        def add(start, z):
+            z = z * std
+            stop, first = start + len(z), bisect.bisect_right(ends, start)
+            for k in range(first, len(flats)):
+                lo = ends[k] - flats[k].numel()
+                if lo >= stop:
+                    break
+                a, b = max(start, lo), min(stop, ends[k])
+                piece = flats[k][a - lo:b - lo]
+                piece.copy_(piece.double() + z[a - start:b - start])  # summed in float64, rounded once
+
+        self._device_chunks(ends[-1] if ends else 0, tensors[0].device, add)
+        for t, f in zip(tensors, flats):
+            if not t.is_contiguous():  # reshape copied it
+                t.detach().copy_(f.view(t.shape))
 
     def uniform(self, n: int) -> torch.Tensor:
         blocks = (n + 1) // 2
