@@ -91,6 +91,12 @@ BATCH_TARGETS = [(m, "opacus_ghost", 2.0) for m in ("dp_adam", "dp_adam_2p", "dp
                                                     "dp_adam_pl_ckpt")]
 
 
+def sequence(model: str) -> int | None:
+    """The model's sequence length (``--seq`` reaches the child processes through the environment)."""
+    T = MODELS[model][1]
+    return int(os.environ.get("GRAPE_BENCH_SEQ") or T) if T else None
+
+
 def verdict(value: float, target: float) -> str:
     return "MET" if value <= target else "NOT MET"
 
@@ -122,7 +128,8 @@ def build(model: str, device: str, checkpointing: bool = False):
     import transformers
     from torch import nn
 
-    cfg_file, T, rank, _ = MODELS[model]
+    cfg_file, _, rank, _ = MODELS[model]
+    T = sequence(model)
     cfg = json.loads((HERE / "configs" / cfg_file).read_text())
     torch.manual_seed(0)
     if model.startswith("roberta"):
@@ -414,10 +421,13 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length of the text models (default: theirs above)")
     ap.add_argument("--out", default=None, help="also write the report to this file")
     ap.add_argument("--memory-child", nargs=3, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--time-child", nargs=4, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.seq:
+        os.environ["GRAPE_BENCH_SEQ"] = str(a.seq)
     if a.memory_child:
         m, model, B = a.memory_child
         print(json.dumps(memory_child(m, model, int(B), a.device)))
@@ -437,7 +447,8 @@ def main() -> None:
     say(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.2f} at start, {os.environ.get('GRAPE_BENCH_THREADS', '2')} torch threads, {a.device}")
     for model in a.models:
-        _, T, rank, budget = MODELS[model]
+        _, _, rank, budget = MODELS[model]
+        T = sequence(model)
         say(f"\n== {model} (benchmarks/configs/{MODELS[model][0]}){f', sequence {T}' if T else ''}, C = 1, σ = 1, "
             f"Adam, DP-GRAPE rank {rank}")
         sweep: dict[str, dict[int, dict]] = {m: {} for m in a.methods if m not in TIME_ONLY}
