@@ -85,6 +85,7 @@ def child(args) -> dict:
 
     from dpregistry.run import Run
     from dpregistry.recipe import load
+    from recipe_steps import take_step  # benchmarks/, the script's folder, is on the path
 
     cuda = args.device.startswith("cuda")
     base = _kib("VmRSS")
@@ -101,15 +102,7 @@ def child(args) -> dict:
         with torch.no_grad():
             obj.losses(idx)
 
-    def step():
-        ctx = run.begin_step()
-        try:
-            run.algorithm.step(run)
-        finally:
-            ctx.undo_displacement()
-        run.step += 1
-
-    op = forward if args.measure == "forward" else step
+    op = forward if args.measure == "forward" else lambda: take_step(run)
     op()  # warm-up: lazy allocations, thread pools
     times = []
     if cuda:

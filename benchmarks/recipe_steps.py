@@ -19,6 +19,16 @@ from dpregistry.recipe import load
 from dpregistry.run import Run
 
 
+def take_step(run: Run) -> None:
+    """One step as dpregistry.loop takes it (the charge is a ledger entry), no logging or saving."""
+    ctx = run.begin_step()
+    try:
+        run.algorithm.step(run)
+    finally:
+        ctx.undo_displacement()
+    run.step += 1
+
+
 def main(argv: list[str]) -> dict:
     path, n, *sets = argv
     t0 = time.perf_counter()
@@ -30,12 +40,7 @@ def main(argv: list[str]) -> dict:
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
-        ctx = run.begin_step()
-        try:
-            run.algorithm.step(run)
-        finally:
-            ctx.undo_displacement()
-        run.step += 1
+        take_step(run)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)

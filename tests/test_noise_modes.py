@@ -209,6 +209,17 @@ def test_cipher_gaussians_are_the_sum_of_two_box_muller_samples_from_the_keystre
     assert z.tolist() == pytest.approx(expect, rel=1e-12, abs=1e-9)  # sin θ via √(1 - cos²θ): ≤ 2·10⁻⁸
 
 
+def _formula(a: np.ndarray, b: np.ndarray) -> list[float]:
+    """The outputs of radius words a and angle words b (uint64), in plain float64 math: output j
+    < m/2 is ρ_j·cos θ_j + ρ_{j+m/2}·cos θ_{j+m/2}, output m/2 + j the same with sines, where
+    ρ = √(-ln(1 - ⌊a/2¹²⌋/2⁵²)) and θ = π·b/2⁶³ with b read as signed."""
+    rho = [math.sqrt(-math.log(1 - (int(w) >> 12) / 2.0 ** 52)) for w in a]
+    th = [math.pi * int(w) / 2.0 ** 63 for w in b.view(np.int64)]
+    h = len(a) // 2
+    return [rho[j] * math.cos(th[j]) + rho[j + h] * math.cos(th[j + h]) for j in range(h)] + \
+           [rho[j] * math.sin(th[j]) + rho[j + h] * math.sin(th[j + h]) for j in range(h)]
+
+
 def test_the_extreme_keystream_words_give_finite_samples(monkeypatch):
     """Radius words 0 and 2⁶⁴-1 (u = 1 and u = 2⁻⁵², the largest radius), angle words at 0, ±π and
     next to them (cos θ = ±1, where sin θ comes from √(1 - cos²θ)): every output is finite and
@@ -220,12 +231,7 @@ def test_the_extreme_keystream_words_give_finite_samples(monkeypatch):
     monkeypatch.setattr(secret, "_keystream", lambda key, first, blocks, zeros, out: words.copy())
     z = secret.CipherStream(secret.new_key()).randn((m * m,), dtype=torch.float64)
     assert bool(torch.isfinite(z).all())
-    rho = [math.sqrt(-math.log(1 - (int(w) >> 12) / 2.0 ** 52)) for w in a]
-    th = [math.pi * int(w) / 2.0 ** 63 for w in b.view(np.int64)]
-    h = m * m // 2
-    expect = [rho[j] * math.cos(th[j]) + rho[j + h] * math.cos(th[j + h]) for j in range(h)] + \
-             [rho[j] * math.sin(th[j]) + rho[j + h] * math.sin(th[j + h]) for j in range(h)]
-    assert z.tolist() == pytest.approx(expect, rel=1e-12, abs=1e-7)
+    assert z.tolist() == pytest.approx(_formula(a, b), rel=1e-12, abs=1e-7)
 
 
 def test_cipher_gaussians_are_standard_normal_and_independent_of_the_thread_count(monkeypatch):
@@ -303,15 +309,11 @@ def test_device_gaussians_are_the_float64_formula_on_the_chacha_keystream(monkey
     z = secret.CipherStream(key).randn((n,), dtype=torch.float64, device="meta")
     assert z.device.type == "meta"  # drawn on the tensors' device (meta: shapes only)
     z = _device_randn(key, n)
-    m, h = n, n // 2
+    m = n
     stream = Cipher(algorithms.ChaCha20(secret.subkey(key, "device"), bytes(16)), mode=None).encryptor() \
         .update(bytes(16 * m))
     words = np.frombuffer(stream, dtype=np.uint64)
-    rho = [math.sqrt(-math.log(1 - (int(w) >> 12) / 2.0 ** 52)) for w in words[:m]]
-    th = [math.pi * int(w) / 2.0 ** 63 for w in words[m:].view(np.int64)]
-    expect = [rho[j] * math.cos(th[j]) + rho[j + h] * math.cos(th[j + h]) for j in range(h)] + \
-             [rho[j] * math.sin(th[j]) + rho[j + h] * math.sin(th[j + h]) for j in range(h)]
-    assert z.tolist() == pytest.approx(expect, rel=1e-12, abs=1e-9)
+    assert z.tolist() == pytest.approx(_formula(words[:m], words[m:]), rel=1e-12, abs=1e-9)
 
 
 def test_the_extreme_words_give_finite_device_samples(monkeypatch, small_chunks):
@@ -323,12 +325,7 @@ def test_the_extreme_words_give_finite_device_samples(monkeypatch, small_chunks)
     words = torch.from_numpy(np.concatenate([a, b]).view(np.int64))
     z = chacha.gaussians_from_words(words, m * m)
     assert bool(torch.isfinite(z).all())
-    rho = [math.sqrt(-math.log(1 - (int(w) >> 12) / 2.0 ** 52)) for w in a]
-    th = [math.pi * int(w) / 2.0 ** 63 for w in b.view(np.int64)]
-    h = m * m // 2
-    expect = [rho[j] * math.cos(th[j]) + rho[j + h] * math.cos(th[j + h]) for j in range(h)] + \
-             [rho[j] * math.sin(th[j]) + rho[j + h] * math.sin(th[j + h]) for j in range(h)]
-    assert z.tolist() == pytest.approx(expect, rel=1e-12, abs=1e-7)
+    assert z.tolist() == pytest.approx(_formula(a, b), rel=1e-12, abs=1e-7)
 
 
 def _device_randn(key: bytes, n: int) -> torch.Tensor:
