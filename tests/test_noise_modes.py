@@ -434,3 +434,17 @@ def test_a_failed_compile_warns_once_and_draws_uncompiled(monkeypatch, compiling
         assert torch.equal(chacha.gaussian_chunk(key, torch.tensor(250)), chacha._chunk(key, torch.tensor(250)))
     assert fake.calls == 1  # settled: the eager chunk from then on
 
+
+def test_tensors_on_a_device_without_float64_get_the_hosts_noise(monkeypatch):
+    """MPS has no float64 (the device formula's arithmetic): its tensors keep the AES noise drawn
+    on the host and copied, as before the device half existed; CUDA draws on the device."""
+    assert chacha.draws_on("cuda") and chacha.draws_on(torch.device("cuda", 1))
+    assert not chacha.draws_on("mps") and not chacha.draws_on("cpu")
+    # The routing, on meta tensors standing for such a device (CI has no MPS): the host path, not
+    # the device half, and not the CPU's in-place NumPy path (which cannot reach another device).
+    monkeypatch.setattr(chacha, "draws_on", lambda device: torch.device(device).type not in ("cpu", "meta"))
+    stream = secret.CipherStream(secret.new_key())
+    ts = [torch.zeros(5, device="meta"), torch.zeros(3, device="meta")]
+    stream.add_noise_(ts, 1.0)
+    z = stream.randn((4,), device="meta")
+    assert z.device.type == "meta" and stream.device_position == 0 and stream.position == 6 + 4 + 4  # a 16-byte block per output, pairs rounded up

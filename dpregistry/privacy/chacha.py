@@ -93,6 +93,12 @@ def compiles_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def draws_on(device) -> bool:
+    """Whether tensors on ``device`` get their noise drawn there: any device but the CPU that has
+    float64 arithmetic (MPS has none: its tensors get the host's noise, copied, as before)."""
+    return torch.device(device).type not in ("cpu", "mps")
+
+
 # Inductor's eager numerics: no fused multiply-adds (Triton contracts a·b + c by default) and the
 # CUDA toolkit's libdevice, so that the kernel rounds as the uncompiled ops do.
 _EAGER_NUMERICS = {"emulate_precision_casts": True}
