@@ -360,3 +360,88 @@ def test_device_noise_is_added_as_one_stream_over_the_tensors(small_chunks):
         k = t.numel()
         assert torch.equal(t.reshape(-1), (0.5 + z[start:start + k]).to(t.dtype))
         start += k
+
+
+def test_successive_device_draws_continue_the_stream_in_whole_chunks(small_chunks):
+    """Two calls on one stream read disjoint blocks: the second starts at the next whole chunk
+    (what one call drawing both would read there), never at blocks the first call read."""
+    key = secret.new_key()
+    stream, n = secret.CipherStream(key), 1000
+    first, second = torch.empty(n + 3, dtype=torch.float64), torch.empty(7, dtype=torch.float64)
+    stream._device_chunks(n + 3, torch.device("cpu"), lambda s, z: first[s:s + len(z)].copy_(z))
+    stream._device_chunks(7, torch.device("cpu"), lambda s, z: second[s:s + len(z)].copy_(z))
+    assert stream.device_position == 3 * chacha.blocks_for(n)
+    one_call = _device_randn(key, 3 * n)
+    assert torch.equal(first, one_call[:n + 3]) and torch.equal(second, one_call[2 * n:2 * n + 7])
+
+
+class _FakeCompile:
+    """torch.compile for a device that compiles: the kernel is the eager chunk; it fails on the
+    calls listed in ``fail`` (0 is the first), as a compile error or a later runtime error would."""
+
+    def __init__(self, fail=()):
+        self.fail, self.calls, self.options = set(fail), 0, None
+
+    def __call__(self, fn, **kwargs):
+        self.options = kwargs.get("options")
+
+        def kernel(*args):
+            self.calls += 1
+            if self.calls - 1 in self.fail:
+                raise RuntimeError("CUDA out of memory")
+            return fn(*args)
+        return kernel
+
+
+@pytest.fixture
+def compiling_cpu(monkeypatch, small_chunks):
+    """Chunks on the CPU take the compiled path (CI has no GPU), with a fresh kernel cache."""
+    monkeypatch.setattr(chacha, "compiles_on", lambda device: True)
+    monkeypatch.setattr(chacha, "_kernels", {})
+
+
+def test_a_kernel_that_has_run_raises_its_later_errors_instead_of_switching_path(monkeypatch, compiling_cpu):
+    """Once a device's compiled kernel has drawn a chunk, an error (out of memory, a failed
+    recompile) propagates: answering it with the uncompiled ops would change the rounding in the
+    middle of a run (a keyed run would no longer replay bit for bit, ranks would disagree)."""
+    fake = _FakeCompile(fail={1})
+    monkeypatch.setattr(torch, "compile", fake)
+    key = chacha.key_words(secret.new_key(), "cpu")
+    assert torch.equal(chacha.gaussian_chunk(key, torch.tensor(0)), chacha._chunk(key, torch.tensor(0)))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        chacha.gaussian_chunk(key, torch.tensor(250))
+    chacha.gaussian_chunk(key, torch.tensor(500))
+    assert fake.calls == 3  # still the compiled kernel
+    assert fake.options == {"emulate_precision_casts": True}  # no fused multiply-adds: eager's rounding
+
+
+def test_a_failed_compile_warns_once_and_draws_uncompiled(monkeypatch, compiling_cpu):
+    fake = _FakeCompile(fail={0})
+    monkeypatch.setattr(torch, "compile", fake)
+    raw = secret.new_key()
+    key = chacha.key_words(raw, "cpu")
+    with pytest.warns(RuntimeWarning, match="uncompiled") as caught:
+        z = chacha.gaussian_chunk(key, torch.tensor(0))
+    assert torch.equal(z, chacha._chunk(key, torch.tensor(0)))
+    assert raw.hex() not in str(caught[0].message) and "out of memory" not in str(caught[0].message)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(chacha.gaussian_chunk(key, torch.tensor(250)), chacha._chunk(key, torch.tensor(250)))
+    assert fake.calls == 1  # settled: the eager chunk from then on
+
+
+def test_tensors_on_a_device_without_float64_get_the_hosts_noise(monkeypatch):
+    """MPS has no float64 (the device formula's arithmetic): its tensors keep the AES noise drawn
+    on the host and copied, as before the device half existed; CUDA draws on the device."""
+    assert chacha.draws_on("cuda") and chacha.draws_on(torch.device("cuda", 1))
+    assert not chacha.draws_on("mps") and not chacha.draws_on("cpu")
+    # The routing, on meta tensors standing for such a device (CI has no MPS): the host path, not
+    # the device half, and not the CPU's in-place NumPy path (which cannot reach another device).
+    monkeypatch.setattr(chacha, "draws_on", lambda device: torch.device(device).type not in ("cpu", "meta"))
+    stream = secret.CipherStream(secret.new_key())
+    ts = [torch.zeros(5, device="meta"), torch.zeros(3, device="meta")]
+    stream.add_noise_(ts, 1.0)
+    z = stream.randn((4,), device="meta")
+    assert z.device.type == "meta" and stream.device_position == 0 and stream.position == 6 + 4 + 4  # a 16-byte block per output, pairs rounded up

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 
 import torch
 
@@ -87,24 +88,45 @@ def _chunk(key: torch.Tensor, first_block: torch.Tensor) -> torch.Tensor:
     return gaussians_from_words(keystream(key, first_block, blocks_for(CHUNK)), CHUNK)
 
 
-_compiled: dict[str, object] = {}
+def compiles_on(device: torch.device) -> bool:
+    """Whether chunks on ``device`` run as one compiled kernel (a GPU: Inductor's Triton backend)."""
+    return device.type == "cuda"
+
+
+def draws_on(device) -> bool:
+    """Whether tensors on ``device`` get their noise drawn there: any device but the CPU that has
+    float64 arithmetic (MPS has none: its tensors get the host's noise, copied, as before)."""
+    return torch.device(device).type not in ("cpu", "mps")
+
+
+# Inductor's eager numerics: no fused multiply-adds (Triton contracts a·b + c by default) and the
+# CUDA toolkit's libdevice, so that the kernel rounds as the uncompiled ops do.
+_EAGER_NUMERICS = {"emulate_precision_casts": True}
+_kernels: dict[str, tuple[object, bool]] = {}  # device -> (chunk function, whether it has run there)
 _lock = threading.Lock()
 
 
 def gaussian_chunk(key: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """CHUNK float64 Gaussians from blocks [start, start + blocks_for(CHUNK)), on ``key``'s
     device (``start``: a 0-d int64 tensor there, so that no chunk waits for a copy from the host):
-    fused by torch.compile on a GPU (eager elsewhere, or if compiling fails: the same numbers,
-    the integer ops being exact)."""
+    fused by torch.compile on a GPU, eager elsewhere. Which of the two a device uses is settled by
+    its first chunk (uncompiled, with a warning, if compiling fails): a later error is raised, not
+    answered by switching paths in the middle of a run."""
     device = key.device
-    if device.type != "cuda":
+    if not compiles_on(device):
         return _chunk(key, start)
     with _lock:
-        fn = _compiled.get(str(device))
-        if fn is None:
-            fn = _compiled[str(device)] = torch.compile(_chunk, fullgraph=True, dynamic=False)
-    try:
-        return fn(key, start)
-    except Exception:  # no compiler for this device: eager gives the same numbers, slower
-        _compiled[str(device)] = _chunk
-        return _chunk(key, start)
+        if str(device) not in _kernels:
+            _kernels[str(device)] = torch.compile(_chunk, fullgraph=True, dynamic=False, options=_EAGER_NUMERICS), False
+        fn, settled = _kernels[str(device)]
+    with torch.no_grad():  # grad mode is part of the compiled kernel's guards: one kernel, whatever the caller's
+        if settled:
+            return fn(key, start)
+        try:
+            z = fn(key, start)
+        except Exception as e:  # no compiler for this device
+            warnings.warn(f"secret noise: compiling the ChaCha20 kernel for {device} failed ({type(e).__name__}); "
+                          f"the noise is drawn uncompiled, slower", RuntimeWarning, stacklevel=2)
+            fn, z = _chunk, _chunk(key, start)
+        _kernels[str(device)] = fn, True
+        return z

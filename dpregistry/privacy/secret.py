@@ -233,7 +233,7 @@ class CipherStream(SecretStream):
     def randn(self, shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         n = math.prod(shape)
-        if torch.device(device).type != "cpu":
+        if chacha.draws_on(device):
             out = torch.empty(n, dtype=dtype, device=device)
             self._device_chunks(n, out.device, lambda s, z: out[s:s + len(z)].copy_(z))
             return out.view(shape)
@@ -246,9 +246,9 @@ class CipherStream(SecretStream):
         chunk (no buffer of their size, the work spread over the pool). The sum is taken in
         float64 and rounded once."""
         devices = {t.device for t in tensors}
-        if len(devices) == 1 and next(iter(devices)).type != "cpu":
+        if len(devices) == 1 and chacha.draws_on(next(iter(devices))):
             return self._add_noise_on_device(tensors, std)
-        if len(devices) > 1 or not all(t.is_contiguous() for t in tensors):
+        if any(d.type != "cpu" for d in devices) or not all(t.is_contiguous() for t in tensors):
             return super().add_noise_(tensors, std)
         flats = [t.detach().view(-1) for t in tensors]
         ends = np.cumsum([f.numel() for f in flats]).tolist()
