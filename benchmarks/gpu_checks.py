@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -40,17 +41,6 @@ from dpreg_grape.projection import LayerSelection
 
 N, T = 8, 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class Objective:
-    def __init__(self, model, loss_of, n):
-        self.model, self.loss_of, self.n_train = model, loss_of, n
-
-    def module(self):
-        return self.model
-
-    def losses(self, idx):
-        return self.loss_of(self.model, idx)
 
 
 def _batch(vocab: int, device):
@@ -114,7 +104,7 @@ def autograd_rows(model, losses, projections=None):
 
 def ours(model, losses, device, rank=None):
     params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    obj = Objective(model, losses, N)
+    obj = SimpleNamespace(n_train=N, module=lambda: model, losses=lambda idx: losses(model, idx))  # what an estimator reads
     ctx = Context.detached(params, n_train=N, device=device, provides={ObjectiveStage: obj})
     if rank is None:
         est = PerExampleGrad(PerExampleGrad.Params(backend="hooks"))

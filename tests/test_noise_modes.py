@@ -285,8 +285,10 @@ def test_cipher_uniforms_sample_at_the_requested_rate():
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Device chunks of 1,000 outputs (4 M by default; the eager CPU run of one takes seconds)."""
+    """Device chunks of 1,000 outputs (4 M by default; the eager CPU run of one takes seconds),
+    used for draws of any size (by default draws under 65,536 come from the host's stream)."""
     monkeypatch.setattr(chacha, "CHUNK", 1000)
+    monkeypatch.setattr(chacha, "MIN_DRAW", 1)
 
 
 @pytest.mark.parametrize("first", [0, 5, (1 << 32) + 5])  # the last has a high word (64-bit counter)
@@ -306,6 +308,7 @@ def test_device_gaussians_are_the_float64_formula_on_the_chacha_keystream(monkey
     key = secret.new_key()
     n = 10
     monkeypatch.setattr(chacha, "CHUNK", n)
+    monkeypatch.setattr(chacha, "MIN_DRAW", 1)
     z = secret.CipherStream(key).randn((n,), dtype=torch.float64, device="meta")
     assert z.device.type == "meta"  # drawn on the tensors' device (meta: shapes only)
     z = _device_randn(key, n)
@@ -445,3 +448,16 @@ def test_tensors_on_a_device_without_float64_get_the_hosts_noise(monkeypatch):
     stream.add_noise_(ts, 1.0)
     z = stream.randn((4,), device="meta")
     assert z.device.type == "meta" and stream.device_position == 0 and stream.position == 6 + 4 + 4  # a 16-byte block per output, pairs rounded up
+
+
+def test_a_small_draw_on_a_device_comes_from_the_hosts_stream():
+    """Under chacha.MIN_DRAW outputs (DPZero's one noised scalar, a bias), a device draw takes the
+    AES stream's next Gaussians, copied, added in float64 and rounded once: a device chunk would
+    compute 4M outputs, and the first would compile the kernel."""
+    key = secret.new_key()
+    ts = [torch.full((30,), 0.5, dtype=torch.bfloat16), torch.full((7, 3), 0.5)]
+    stream = secret.CipherStream(key)
+    stream._add_noise_on_device(ts, 2.0)
+    z = 2.0 * secret.CipherStream(key).randn((51,), dtype=torch.float64)
+    assert torch.equal(ts[0], (0.5 + z[:30]).to(torch.bfloat16)) and torch.equal(ts[1].view(-1), (0.5 + z[30:]).float())
+    assert stream.device_position == 0 and stream.position == 52  # no ChaCha20 block; an AES block per output, rounded up to even

@@ -23,6 +23,7 @@ import warnings
 import torch
 
 CHUNK = 1 << 22                   # outputs per call: a fixed shape, so the compiled kernel is reused
+MIN_DRAW = 1 << 16                # smaller draws come from the host's AES stream (one chunk there)
 WORDS64_PER_BLOCK = 8             # a 64-byte block is eight little-endian 64-bit words
 _MASK = 0xFFFFFFFF
 _SIGMA = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # "expand 32-byte k"

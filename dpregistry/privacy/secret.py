@@ -162,6 +162,18 @@ class _Pool:
 _POOL = _Pool()
 
 
+def _spans(flats: list, ends: list[int], start: int, z):
+    """(piece of a tensor, its part of z) for the chunk z of the stream that starts at ``start``,
+    the stream laid end to end over ``flats`` (``ends``: their cumulative sizes)."""
+    stop = start + len(z)
+    for k in range(bisect.bisect_right(ends, start), len(flats)):
+        lo = ends[k] - flats[k].numel()
+        if lo >= stop:
+            break
+        a, b = max(start, lo), min(stop, ends[k])
+        yield flats[k][a - lo:b - lo], z[a - start:b - start]
+
+
 class SecretStream:
     """The secret randomness of one purpose at one step; successive draws continue the stream.
 
@@ -233,7 +245,7 @@ class CipherStream(SecretStream):
     def randn(self, shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         n = math.prod(shape)
-        if chacha.draws_on(device):
+        if chacha.draws_on(device) and n >= chacha.MIN_DRAW:
             out = torch.empty(n, dtype=dtype, device=device)
             self._device_chunks(n, out.device, lambda s, z: out[s:s + len(z)].copy_(z))
             return out.view(shape)
@@ -255,13 +267,7 @@ class CipherStream(SecretStream):
 
         def add(start, z):
             np.multiply(z, std, out=z)
-            stop, first = start + len(z), bisect.bisect_right(ends, start)
-            for k in range(first, len(flats)):
-                lo = ends[k] - flats[k].numel()
-                if lo >= stop:
-                    break
-                a, b = max(start, lo), min(stop, ends[k])
-                part, piece = z[a - start:b - start], flats[k][a - lo:b - lo]
+            for piece, part in _spans(flats, ends, start, z):
                 if piece.dtype in (torch.float32, torch.float64, torch.float16):
                     target = piece.numpy()
                     np.add(target, part, out=target)
@@ -272,22 +278,21 @@ class CipherStream(SecretStream):
         self._chunks(ends[-1] if ends else 0, add)
 
     def _add_noise_on_device(self, tensors: list[torch.Tensor], std: float) -> None:
-        """As add_noise_, with the Gaussians drawn on the tensors' device, chunk by chunk."""
+        """As add_noise_, on the tensors' (one) device, chunk by chunk: drawn there, or for a
+        draw under ``chacha.MIN_DRAW`` taken from the AES stream and copied (one inline chunk:
+        a device chunk computes 4M outputs, and the first one compiles its kernel)."""
         flats = [t.detach().view(-1) if t.is_contiguous() else t.detach().reshape(-1) for t in tensors]
         ends = np.cumsum([f.numel() for f in flats]).tolist()
+        n, device = (ends[-1] if ends else 0), tensors[0].device
 
         def add(start, z):
-            z = z * std
-            stop, first = start + len(z), bisect.bisect_right(ends, start)
-            for k in range(first, len(flats)):
-                lo = ends[k] - flats[k].numel()
-                if lo >= stop:
-                    break
-                a, b = max(start, lo), min(stop, ends[k])
-                piece = flats[k][a - lo:b - lo]
-                piece.copy_(piece.double() + z[a - start:b - start])  # summed in float64, rounded once
+            for piece, part in _spans(flats, ends, start, z * std):
+                piece.copy_(piece.double() + part)  # summed in float64, rounded once
 
-        self._device_chunks(ends[-1] if ends else 0, tensors[0].device, add)
+        if n >= chacha.MIN_DRAW:
+            self._device_chunks(n, device, add)
+        else:
+            self._chunks(n, lambda start, z: add(start, torch.from_numpy(z).to(device)))
         for t, f in zip(tensors, flats):
             if not t.is_contiguous():  # reshape copied it
                 t.detach().copy_(f.view(t.shape))
