@@ -25,7 +25,7 @@ the same model, batch and inputs; the private ones use flat clipping C = 1, nois
 * NAME_ckpt     method NAME on the model with Hugging Face's activation checkpointing on
                 (``gradient_checkpointing_enable()``: each layer's activations are recomputed in
                 the backward, not kept; non-reentrant): adam_ckpt, dp_adam_pl_ckpt, dp_grape_pl_ckpt,
-                opacus_ghost_ckpt (``passes: 2`` refuses checkpointing: its two backwards would
+                dp_grape_e_pl_ckpt (embeddings projected too), opacus_ghost_ckpt (``passes: 2`` refuses checkpointing: its two backwards would
                 recompute the blocks twice)
 
 Time: every method is built in ONE process (one copy of the model each, the same initial weights)
@@ -65,7 +65,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("adam", "adam_noise", "dp_adam", "dp_adam_2p", "dp_adam_pl", "dp_grape", "dp_grape_e", "opacus_ghost", "opacus_hooks",
-           "dp_grape_2p", "dp_grape_pl", "adam_ckpt", "dp_adam_pl_ckpt", "dp_grape_pl_ckpt", "opacus_ghost_ckpt")
+           "dp_grape_2p", "dp_grape_pl", "adam_ckpt", "dp_adam_pl_ckpt", "dp_grape_pl_ckpt", "dp_grape_e_pl_ckpt",
+           "opacus_ghost_ckpt")
 DEFAULT_METHODS = ("adam", "adam_noise", "dp_adam", "dp_adam_pl_ckpt", "dp_grape", "opacus_ghost")
 TIME_ONLY = {"adam_noise"}
 BATCHES = (8, 16, 32, 64, 128, 256)
@@ -85,7 +86,8 @@ MEMORY_TARGETS = [("dp_adam", "opacus_ghost", 0.75), ("dp_adam", "adam", 1.10), 
                   ("dp_grape_e", "opacus_ghost", 0.5), ("dp_grape_e", "dp_adam", 0.4),
                   ("dp_adam_pl", "opacus_ghost", 0.75), ("dp_adam_pl", "adam", 1.10),
                   ("dp_adam_pl_ckpt", "opacus_ghost", 0.75), ("dp_adam_pl_ckpt", "adam_ckpt", 1.10),
-                  ("dp_grape_pl_ckpt", "opacus_ghost", 0.5), ("dp_grape_pl_ckpt", "dp_adam_pl_ckpt", 0.4)]
+                  ("dp_grape_pl_ckpt", "opacus_ghost", 0.5), ("dp_grape_pl_ckpt", "dp_adam_pl_ckpt", 0.4),
+                  ("dp_grape_e_pl_ckpt", "opacus_ghost", 0.5), ("dp_grape_e_pl_ckpt", "dp_adam_pl_ckpt", 0.4)]
 # ours ≥ 2× Opacus ghost's largest batch
 BATCH_TARGETS = [(m, "opacus_ghost", 2.0) for m in ("dp_adam", "dp_adam_2p", "dp_adam_pl", "dp_grape",
                                                     "dp_adam_pl_ckpt")]
@@ -195,7 +197,7 @@ def dpregistry_run(method: str, net, X, y, rank: int, device: str):
     if method.startswith("dp_grape"):
         algorithm, estimator, update = "dp_grape", {"name": "projected_per_example_grad", "rank": rank}, \
             {"name": "projected_adam"}
-        if method == "dp_grape_e":  # the default exclusions, less "embed"
+        if method.startswith("dp_grape_e"):  # the default exclusions, less "embed"
             from dpreg_grape.projection import DEFAULT_EXCLUDE
 
             estimator["project"] = {"embeddings": True, "exclude": [p for p in DEFAULT_EXCLUDE if p != "embed"]}
