@@ -25,8 +25,8 @@ the same model, batch and inputs; the private ones use flat clipping C = 1, nois
 * NAME_ckpt     method NAME on the model with Hugging Face's activation checkpointing on
                 (``gradient_checkpointing_enable()``: each layer's activations are recomputed in
                 the backward, not kept; non-reentrant): adam_ckpt, dp_adam_pl_ckpt, dp_grape_pl_ckpt,
-                dp_grape_e_pl_ckpt (embeddings projected too), opacus_ghost_ckpt (``passes: 2`` refuses checkpointing: its two backwards would
-                recompute the blocks twice)
+                dp_grape_e_pl_ckpt (embeddings projected too), opacus_ghost_ckpt (``passes: 2``
+                refuses checkpointing: its two backwards would recompute the blocks twice)
 
 Time: every method is built in ONE process (one copy of the model each, the same initial weights)
 and the methods' steps alternate, round after round (the order rotates each round), so a change of
