@@ -18,7 +18,7 @@ and the clipped sum is accumulated in fp32 or wider. First, the secret noise dra
 (dpregistry/privacy/chacha.py) is checked against the same draw on the CPU. Prints one line per
 case and PASS / FAIL.
 
-    python benchmarks/gpu_checks.py [--device cuda] [--out FILE]
+    python benchmarks/gpu_checks.py [--device cuda] [--dtypes float32 bfloat16 float16]
 """
 
 from __future__ import annotations
@@ -145,15 +145,17 @@ def check(name: str, build, dtype_name: str, device, rank=None) -> bool:
     ref_model = copy.deepcopy(model).double()  # the same (rounded) weights, differentiated in fp64
     ref = autograd_rows(ref_model, losses, projections)
     same = autograd_rows(model, losses, projections)
-    clip = float(_norms(ref).median())
+    ref_norms = _norms(ref)
+    clip = float(ref_norms.median())
+    ref_sum = _clipped(ref, clip)
     norms = torch.cat([c.norms() for c in contribs])
     totals = [clip_and_sum(c, clip).aggregate.tensors for c in contribs]
     summed = {k: sum(t[k] for t in totals) for k in totals[0]}
     wide = all(v.dtype in (torch.float32, torch.float64) for v in summed.values())
     finite = bool(torch.isfinite(norms).all()) and all(bool(torch.isfinite(v).all()) for v in summed.values())
     eps = torch.finfo(dtype).eps
-    e_norm, a_norm = _rel(norms, _norms(ref)), _rel(_norms(same), _norms(ref))
-    e_sum, a_sum = _rel(summed, _clipped(ref, clip)), _rel(_clipped(same, clip), _clipped(ref, clip))
+    e_norm, a_norm = _rel(norms, ref_norms), _rel(_norms(same), ref_norms)
+    e_sum, a_sum = _rel(summed, ref_sum), _rel(_clipped(same, clip), ref_sum)
     ok = finite and wide and e_norm <= 4 * a_norm + 4 * eps and e_sum <= 4 * a_sum + 4 * eps
     print(f"{name:<18} {dtype_name:<9} norms: ours {e_norm:.2e} autograd {a_norm:.2e} | clipped sum: ours "
           f"{e_sum:.2e} autograd {a_sum:.2e} | sums in {sorted({str(v.dtype)[6:] for v in summed.values()})} "
