@@ -252,6 +252,16 @@ def test_cipher_gaussians_are_standard_normal_and_independent_of_the_thread_coun
     assert secret.CipherStream(key).randn((3, 4), dtype=torch.float16).dtype == torch.float16
 
 
+def _assert_laid_end_to_end(ts: list[torch.Tensor], base: float, z: torch.Tensor) -> None:
+    """Each tensor, filled with ``base`` before, holds base + its slice of z (the tensors laid end to
+    end, a non-contiguous one in row order), rounded once to its dtype."""
+    start = 0
+    for t in ts:
+        k = t.numel()
+        assert torch.equal(t.reshape(-1), (base + z[start:start + k]).to(t.dtype))
+        start += k
+
+
 def test_cipher_noise_is_added_as_one_stream_over_the_tensors_whatever_the_thread_count(monkeypatch):
     """add_noise_ adds std·z with z the stream's next Gaussians laid end to end over the tensors
     (chunks crossing tensor boundaries, each dtype rounded once), and the pool does not change it."""
@@ -266,11 +276,8 @@ def test_cipher_noise_is_added_as_one_stream_over_the_tensors_whatever_the_threa
         secret.CipherStream(key).add_noise_(ts, 2.0)
         return ts
 
-    ts, start = noised(2), 0
-    for t in ts:
-        k = t.numel()
-        assert torch.equal(t.view(-1), (0.5 + z[start:start + k]).to(t.dtype))
-        start += k
+    ts = noised(2)
+    _assert_laid_end_to_end(ts, 0.5, z)
     assert all(torch.equal(a, b) for a, b in zip(ts, noised(1)))
 
 
@@ -357,12 +364,7 @@ def test_device_noise_is_added_as_one_stream_over_the_tensors(small_chunks):
     ts = [torch.full(s, 0.5, dtype=d) for s, d in shapes]
     ts[-1] = ts[-1].t()  # not contiguous
     secret.CipherStream(key)._add_noise_on_device(ts, 2.0)
-    z = 2.0 * _device_randn(key, sum(t.numel() for t in ts))
-    start = 0
-    for t in ts:
-        k = t.numel()
-        assert torch.equal(t.reshape(-1), (0.5 + z[start:start + k]).to(t.dtype))
-        start += k
+    _assert_laid_end_to_end(ts, 0.5, 2.0 * _device_randn(key, sum(t.numel() for t in ts)))
 
 
 def test_successive_device_draws_continue_the_stream_in_whole_chunks(small_chunks):
@@ -459,5 +461,5 @@ def test_a_small_draw_on_a_device_comes_from_the_hosts_stream():
     stream = secret.CipherStream(key)
     stream._add_noise_on_device(ts, 2.0)
     z = 2.0 * secret.CipherStream(key).randn((51,), dtype=torch.float64)
-    assert torch.equal(ts[0], (0.5 + z[:30]).to(torch.bfloat16)) and torch.equal(ts[1].view(-1), (0.5 + z[30:]).float())
+    _assert_laid_end_to_end(ts, 0.5, z)
     assert stream.device_position == 0 and stream.position == 52  # no ChaCha20 block; an AES block per output, rounded up to even
