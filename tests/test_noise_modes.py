@@ -420,6 +420,22 @@ def test_a_kernel_that_has_run_raises_its_later_errors_instead_of_switching_path
     assert fake.options == {"emulate_precision_casts": True}  # no fused multiply-adds: eager's rounding
 
 
+def test_the_user_hears_of_the_compile_once_before_it_starts(monkeypatch, compiling_cpu):
+    """The first chunk on a GPU waits 30-50 s for Inductor: the run's message channel says so
+    before the compile starts, once per device, and never again once the kernel has run."""
+    from dpregistry import progress
+
+    heard = []
+    fake = _FakeCompile()
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fake(lambda *a: (heard.append("ran"), fn(*a))[1], **kw))
+    key = chacha.key_words(secret.new_key(), "cpu")
+    with progress.saying(heard.append):
+        for start in (0, 250, 500):
+            chacha.gaussian_chunk(key, torch.tensor(start))
+    assert len(heard) == 4 and heard[1:] == ["ran"] * 3
+    assert heard[0].startswith("secret noise: compiling the noise kernel for cpu, once per process")
+
+
 def test_a_failed_compile_warns_once_and_draws_uncompiled(monkeypatch, compiling_cpu):
     fake = _FakeCompile(fail={0})
     monkeypatch.setattr(torch, "compile", fake)

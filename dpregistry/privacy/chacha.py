@@ -22,6 +22,8 @@ import warnings
 
 import torch
 
+from ..progress import say
+
 CHUNK = 1 << 22                   # outputs per call: a fixed shape, so the compiled kernel is reused
 MIN_DRAW = 1 << 16                # smaller draws come from the host's AES stream (one chunk there)
 WORDS64_PER_BLOCK = 8             # a 64-byte block is eight little-endian 64-bit words
@@ -123,6 +125,8 @@ def gaussian_chunk(key: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():  # grad mode is part of the compiled kernel's guards: one kernel, whatever the caller's
         if settled:
             return fn(key, start)
+        say(f"secret noise: compiling the noise kernel for {device}, once per process "
+            f"(about 30-50 s on an H100/H200; the first step waits for it)")
         try:
             z = fn(key, start)
         except Exception as e:  # no compiler for this device
