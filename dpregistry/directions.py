@@ -6,11 +6,14 @@ each tensor's own dtype, so that perturbing a parameter costs one chunk of scrat
 same seed always gives the same u (DPZero §2.4, "seed trick").
 
 Every chunk has its own generator, seeded from (seed, tensor, chunk). Drawing Gaussians is the
-cost of a zeroth-order step's parameter sweeps on a CPU (torch's CPU generator is sequential), so
-independent chunks let a sweep use every core; the draws do not depend on the number of threads.
-An accelerator draws larger chunks: at 2²⁰ elements, OPT-6.7B's 6,400 chunks made a sweep on an
-H200 cost 8.7 forward passes in per-chunk overhead. u therefore depends on the device kind (its
-generator and chunk size), never on anything else.
+cost of a zeroth-order step's parameter sweeps. On a CPU they come from Philox4x32-10, compiled
+with the sweep's ``t += s·u`` into one multi-threaded loop (:mod:`dpregistry.philox`); where
+torch.compile does not work, from torch's sequential CPU generator, with the chunks on a thread
+pool. Either way the draws do not depend on the number of threads. An accelerator draws larger
+chunks with its own generator: at 2²⁰ elements, OPT-6.7B's 6,400 chunks made a sweep on an H200
+cost 8.7 forward passes in per-chunk overhead. u therefore depends on the device kind (its
+generator and chunk size) and, on a CPU, on whether torch.compile works there; never on anything
+else.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from . import philox
 from .rng import derive
 
 CHUNK = 1 << 20  # elements per chunk (and per generator) on a CPU; fixed, so that regeneration is bit-identical
@@ -53,9 +57,10 @@ def _chunks(t: torch.Tensor):
         yield flat[start:start + k]
 
 
-def _map(fn: Callable, tensors: list[torch.Tensor]) -> list:
+def _map(fn: Callable, tensors: list[torch.Tensor], pooled: bool = True) -> list:
     """[fn(tensor_index, chunk_index, chunk)] over every chunk, in order. On a CPU the chunks run
-    on a thread pool (torch releases the GIL in its kernels); on an accelerator, in order."""
+    on a thread pool (torch releases the GIL in its kernels) unless ``pooled`` is False (the
+    compiled Philox kernel runs on every thread itself); on an accelerator, in order."""
     global _pool
     items = [(i, j, c) for i, t in enumerate(tensors) for j, c in enumerate(_chunks(t))]
 
@@ -64,7 +69,7 @@ def _map(fn: Callable, tensors: list[torch.Tensor]) -> list:
             return fn(*item)
 
     threads = torch.get_num_threads()
-    if threads <= 1 or len(items) <= 1 or any(t.device.type != "cpu" for t in tensors):
+    if not pooled or threads <= 1 or len(items) <= 1 or any(t.device.type != "cpu" for t in tensors):
         return [run(it) for it in items]
     if _pool is None or _pool[0] != threads:
         _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="dpreg-directions"))
@@ -104,11 +109,22 @@ class Direction:
     seed: int
     distribution: str = "gaussian"
 
+    def _seed(self, tensor_index: int, chunk_index: int) -> int:
+        return derive("dpregistry-direction", self.seed, tensor_index, chunk_index)
+
+    def _fused(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether z comes from the compiled Philox kernel (dpregistry.philox): Gaussian and sphere
+        directions on a CPU where torch.compile works."""
+        return self.distribution != "rademacher" and all(philox.fused_for(t.device) for t in tensors)
+
     def _draw(self, tensor_index: int, chunk_index: int, like: torch.Tensor) -> torch.Tensor:
         """This chunk's z, in a scratch buffer of the calling thread (valid until its next draw)."""
-        g = torch.Generator(device=like.device)
-        g.manual_seed(derive("dpregistry-direction", self.seed, tensor_index, chunk_index))
         out = _buffer(like.dtype, like.device)[:like.numel()].view(like.shape)
+        if self._fused([like]):
+            philox.add_(out.zero_(), self._seed(tensor_index, chunk_index), 1.0)
+            return out
+        g = torch.Generator(device=like.device)
+        g.manual_seed(self._seed(tensor_index, chunk_index))
         if self.distribution != "rademacher":
             return out.normal_(generator=g)
         # 32 signs per uniform int32 word: entry 32·w + k is −1 where bit 31 − k of word w is set,
@@ -125,21 +141,24 @@ class Direction:
         if self.distribution != "sphere":
             raise ValueError(f"unknown direction distribution {self.distribution!r}")
         # Sphere: one extra regeneration pass for ‖z‖ (DPZero spec §6, note on the sphere).
-        sq = _map(lambda i, j, c: float(self._draw(i, j, c).double().pow(2).sum()), tensors)
+        sq = _map(lambda i, j, c: float(self._draw(i, j, c).double().pow(2).sum()), tensors, not self._fused(tensors))
         return math.sqrt(sum(t.numel() for t in tensors) / math.fsum(sq))
 
     def add_(self, tensors: Iterable[torch.Tensor], scale: float) -> None:
         """t += scale·u, chunk by chunk, in place."""
         tensors = list(tensors)
         s = scale * self._scale(tensors)
-        _map(lambda i, j, c: c.add_(self._draw(i, j, c), alpha=s), tensors)
+        if self._fused(tensors):  # u is drawn inside the loop that adds it: never written to memory
+            _map(lambda i, j, c: philox.add_(c, self._seed(i, j), s), tensors, pooled=False)
+        else:
+            _map(lambda i, j, c: c.add_(self._draw(i, j, c), alpha=s), tensors)
 
     def dense(self, tensors: Iterable[torch.Tensor], dtype=None) -> list[torch.Tensor]:
         """Materialise u in the shapes of ``tensors`` (costs d memory: tests and dense lifts only)."""
         tensors = list(tensors)
         s = self._scale(tensors)
         out = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-        _map(lambda i, j, c: c.copy_(self._draw(i, j, c)).mul_(s), out)
+        _map(lambda i, j, c: c.copy_(self._draw(i, j, c)).mul_(s), out, not self._fused(out))
         return [o.to(dtype) if dtype is not None else o for o in out]
 
     def dot(self, tensors: Iterable[torch.Tensor], others: Mapping[int, torch.Tensor] | list) -> float:
@@ -153,4 +172,4 @@ class Direction:
             v = flat[i][j * k:j * k + c.numel()]
             return float((self._draw(i, j, c).double() * v.double()).sum())
 
-        return math.fsum(_map(term, tensors)) * s
+        return math.fsum(_map(term, tensors, not self._fused(tensors))) * s

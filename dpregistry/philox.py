@@ -1,0 +1,121 @@
+"""Gaussian directions from Philox4x32-10, drawn and added to the parameters in one compiled loop.
+
+A zeroth-order step sweeps the parameters three times (θ + λu, θ − λu, the update), and each
+sweep regenerates d Gaussians (:mod:`dpregistry.directions`). With torch's CPU generator
+(mt19937, sequential, 2.3–2.6 ns a draw) and u written to a scratch chunk and read back, a sweep
+cost 0.19 of a forward pass on OPT-125m. Here u comes from a counter-based generator,
+Philox4x32-10 (Salmon, Moraes, Dror & Shaw, SC 2011; the generator of cuRAND and JAX), and
+``torch.compile`` fuses its ten rounds, the Box–Muller transform and ``p += s·u`` into one
+vectorised, multi-threaded loop: no u is ever written to memory, and each element depends only
+on its key and position, never on the number of threads.
+
+Element i of a chunk under key (k0, k1) comes from counter i // 4 (words w0, w1, w2, w3): the
+pair (w0, w1) gives elements 4c and 4c + 1, the pair (w2, w3) elements 4c + 2 and 4c + 3, so a
+shorter chunk's u is a prefix of a longer one's. A pair (a, b) gives ρ·cos θ and ρ·sin θ with
+ρ = √(−2 ln v), v = ((a >> 8) + 1)/2²⁴ ∈ (0, 1], and θ = 2π·(b >> 8)/2²⁴, in float32, as torch's
+own CPU sampler does (so |u_i| ≤ √(2 ln 2²⁴) = 5.77, a truncation of probability 2·10⁻⁹ a draw).
+
+The compiled loop and the same ops run uncompiled round ``log``/``cos`` differently in the last
+bit, so a process settles once which it uses: where compiling fails (no C++ compiler), a warning
+says so and :mod:`dpregistry.directions` draws with torch's generator, as before.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+
+import torch
+
+from .progress import say
+
+_MASK = 0xFFFFFFFF
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32's multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85  # its Weyl key increments
+ROUNDS = 10
+
+
+def philox(c: list[torch.Tensor], k0: torch.Tensor, k1: torch.Tensor, rounds: int = ROUNDS) -> list[torch.Tensor]:
+    """Philox4x32 on four counter words (int64 tensors holding uint32 values) under key (k0, k1)."""
+    c0, c1, c2, c3 = c
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + _W0) & _MASK, (k1 + _W1) & _MASK
+        p0, p1 = c0 * _M0, c2 * _M1  # < 2⁶⁴: the int64 product wraps, its 64 bits are exact
+        c0, c1, c2, c3 = ((p1 >> 32) & _MASK) ^ c1 ^ k0, p1 & _MASK, ((p0 >> 32) & _MASK) ^ c3 ^ k1, p0 & _MASK
+    return [c0, c1, c2, c3]
+
+
+def _box_muller(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    v = ((a >> 8) + 1).to(torch.float32) * 2.0 ** -24
+    rho = torch.sqrt(-2.0 * torch.log(v))
+    theta = (b >> 8).to(torch.float32) * (2.0 * math.pi * 2.0 ** -24)
+    return rho * torch.cos(theta), rho * torch.sin(theta)
+
+
+def gaussians(n: int, k0: torch.Tensor, k1: torch.Tensor, device=None) -> torch.Tensor:
+    """The chunk's n float32 Gaussians in the layout above."""
+    c = torch.arange(-(-n // 4), dtype=torch.int64, device=device)
+    zero = torch.zeros_like(c)
+    w0, w1, w2, w3 = philox([c, zero, zero, zero], k0, k1)
+    return torch.stack([*_box_muller(w0, w1), *_box_muller(w2, w3)], 1).view(-1)[:n]
+
+
+def _add_(p: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, scale: torch.Tensor) -> None:
+    """p += scale·u for a flat float32 chunk p (scale rounded to float32, as ``add_``'s alpha is)."""
+    p.add_(gaussians(p.numel(), k0, k1, p.device) * scale.to(torch.float32))
+
+
+# Dynamo compiles a kernel per dtype and per thread count (a guard) and stops at 8 kernels, so only
+# float32 chunks of at least _SMALLEST elements are compiled: sizes 1 to 4 would each recompile.
+_SMALLEST = 8
+_COMPILES_ON = ("cpu",)  # accelerators keep torch's generator (dpregistry.directions.DEVICE_CHUNK)
+_kernels: dict[str, object] = {}  # device type -> the compiled _add_, or None where compiling failed
+_lock = threading.Lock()
+
+
+def _kernel(device: torch.device):
+    """The compiled ``_add_`` for ``device``'s type, or None; settled by the first call of a process."""
+    kind = device.type
+    if kind not in _COMPILES_ON or torch._dynamo.config.disable:
+        return None
+    with _lock:
+        if kind not in _kernels:
+            say("random directions: compiling the Gaussian kernel, once per process (a few seconds)")
+            fn = torch.compile(_add_, dynamic=True, fullgraph=True)
+            try:
+                with torch.no_grad():  # grad mode is one of the compiled kernel's guards
+                    fn(torch.zeros(_SMALLEST, device=device), *_key(0, device), torch.ones((), dtype=torch.float64))
+            except Exception as e:  # no C++ compiler, or no Inductor backend for this device
+                warnings.warn(f"random directions: compiling the Philox kernel failed ({type(e).__name__}); "
+                              f"Gaussian directions come from torch's generator instead (slower)",
+                              RuntimeWarning, stacklevel=3)
+                fn = None
+            _kernels[kind] = fn
+        return _kernels[kind]
+
+
+def _key(seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 64-bit seed as Philox's two key words (tensors: one compiled kernel serves every key)."""
+    return (torch.tensor(seed & _MASK, dtype=torch.int64, device=device),
+            torch.tensor((seed >> 32) & _MASK, dtype=torch.int64, device=device))
+
+
+def fused_for(device) -> bool:
+    """Whether Gaussian directions on ``device`` come from the compiled Philox kernel."""
+    return _kernel(torch.device(device)) is not None
+
+
+def add_(chunk: torch.Tensor, seed: int, scale: float) -> None:
+    """chunk += scale·u in place, u the Gaussians of ``seed`` (a contiguous chunk; see fused_for)."""
+    fn, flat = _kernel(chunk.device), chunk.view(-1)
+    key = _key(seed, chunk.device)
+    with torch.no_grad():
+        if flat.dtype == torch.float32 and flat.numel() >= _SMALLEST:
+            fn(flat, *key, torch.tensor(scale, dtype=torch.float64))
+        elif flat.numel():  # u from a float32 chunk (a shorter chunk's u is a longer one's first entries)
+            u = torch.zeros(max(flat.numel(), _SMALLEST), device=chunk.device)
+            fn(u, *key, torch.ones((), dtype=torch.float64))
+            acc = torch.promote_types(flat.dtype, torch.float32)
+            flat.copy_((flat.to(acc) + u[:flat.numel()].to(acc) * scale).to(flat.dtype))
