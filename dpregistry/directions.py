@@ -5,15 +5,15 @@ distribution and the list of tensors it spans. u is drawn tensor by tensor, in f
 each tensor's own dtype, so that perturbing a parameter costs one chunk of scratch memory and the
 same seed always gives the same u (DPZero §2.4, "seed trick").
 
-Every chunk has its own generator, seeded from (seed, tensor, chunk). Drawing Gaussians is the
-cost of a zeroth-order step's parameter sweeps. On a CPU they come from Philox4x32-10, compiled
-with the sweep's ``t += s·u`` into one multi-threaded loop (:mod:`dpregistry.philox`); where
-torch.compile does not work, from torch's sequential CPU generator, with the chunks on a thread
-pool. Either way the draws do not depend on the number of threads. An accelerator draws larger
-chunks with its own generator: at 2²⁰ elements, OPT-6.7B's 6,400 chunks made a sweep on an H200
-cost 8.7 forward passes in per-chunk overhead. u therefore depends on the device kind (its
-generator and chunk size) and, on a CPU, on whether torch.compile works there; never on anything
-else.
+Drawing Gaussians is the cost of a zeroth-order step's parameter sweeps. On a CPU and a CUDA GPU
+they come from Philox4x32-10 keyed per tensor and counted per element, compiled with the sweep's
+``t += s·u`` into one loop (:mod:`dpregistry.philox`): u is then the same, but for the last bit
+of rounding, on every device, for any chunking and thread count. Elsewhere, and where
+torch.compile does not work, every chunk has its own generator of the device, seeded from (seed,
+tensor, chunk), and a CPU's chunks run on a thread pool (its generator is sequential); u then
+depends on the device kind and its chunk size: at 2²⁰ elements, OPT-6.7B's 6,400 chunks made a
+sweep on an H200 cost 8.7 forward passes in per-chunk overhead, so accelerators take 2²⁴.
+Rademacher signs always take that path.
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ class Direction:
     seed: int
     distribution: str = "gaussian"
 
-    def _seed(self, tensor_index: int, chunk_index: int) -> int:
-        return derive("dpregistry-direction", self.seed, tensor_index, chunk_index)
+    def _seed(self, tensor_index: int, chunk_index: int | None = None) -> int:
+        """A chunk's generator seed; Philox takes one key per tensor (None) and counts its elements."""
+        return derive("dpregistry-direction", self.seed, tensor_index, *(() if chunk_index is None else (chunk_index,)))
 
     def _fused(self, tensors: list[torch.Tensor]) -> bool:
         """Whether z comes from the compiled Philox kernel (dpregistry.philox): Gaussian and sphere
@@ -121,7 +122,7 @@ class Direction:
         """This chunk's z, in a scratch buffer of the calling thread (valid until its next draw)."""
         out = _buffer(like.dtype, like.device)[:like.numel()].view(like.shape)
         if self._fused([like]):
-            philox.add_(out.zero_(), self._seed(tensor_index, chunk_index), 1.0)
+            philox.add_(out.zero_(), self._seed(tensor_index), 1.0, chunk_index * chunk_size(like.device))
             return out
         g = torch.Generator(device=like.device)
         g.manual_seed(self._seed(tensor_index, chunk_index))
@@ -149,7 +150,7 @@ class Direction:
         tensors = list(tensors)
         s = scale * self._scale(tensors)
         if self._fused(tensors):  # u is drawn inside the loop that adds it: never written to memory
-            _map(lambda i, j, c: philox.add_(c, self._seed(i, j), s), tensors, pooled=False)
+            _map(lambda i, j, c: philox.add_(c, self._seed(i), s, j * chunk_size(c.device)), tensors, pooled=False)
         else:
             _map(lambda i, j, c: c.add_(self._draw(i, j, c), alpha=s), tensors)
 

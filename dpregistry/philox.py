@@ -5,19 +5,23 @@ sweep regenerates d Gaussians (:mod:`dpregistry.directions`). With torch's CPU g
 (mt19937, sequential, 2.3–2.6 ns a draw) and u written to a scratch chunk and read back, a sweep
 cost 0.19 of a forward pass on OPT-125m. Here u comes from a counter-based generator,
 Philox4x32-10 (Salmon, Moraes, Dror & Shaw, SC 2011; the generator of cuRAND and JAX), and
-``torch.compile`` fuses its ten rounds, the Box–Muller transform and ``p += s·u`` into one
-vectorised, multi-threaded loop: no u is ever written to memory, and each element depends only
-on its key and position, never on the number of threads.
+``torch.compile`` fuses its ten rounds, the Box–Muller transform and ``p += s·u`` into one loop
+(vectorised and multi-threaded on a CPU, one Triton kernel on a CUDA GPU): no u is ever written
+to memory, and each element depends only on its key and position, never on the number of
+threads.
 
-Element i of a chunk under key (k0, k1) comes from counter i // 4 (words w0, w1, w2, w3): the
-pair (w0, w1) gives elements 4c and 4c + 1, the pair (w2, w3) elements 4c + 2 and 4c + 3, so a
-shorter chunk's u is a prefix of a longer one's. A pair (a, b) gives ρ·cos θ and ρ·sin θ with
-ρ = √(−2 ln v), v = ((a >> 8) + 1)/2²⁴ ∈ (0, 1], and θ = 2π·(b >> 8)/2²⁴, in float32, as torch's
-own CPU sampler does (so |u_i| ≤ √(2 ln 2²⁴) = 5.77, a truncation of probability 2·10⁻⁹ a draw).
+Element i of a tensor under key (k0, k1) comes from counter c = i // 4 (words w0, w1, w2, w3,
+the counter's low and high 32 bits in its first two words): the pair (w0, w1) gives elements 4c
+and 4c + 1, the pair (w2, w3) elements 4c + 2 and 4c + 3. So u does not depend on how a tensor
+is cut into chunks, nor, but for the last bit of rounding, on the device. A pair (a, b) gives
+ρ·cos θ and ρ·sin θ with ρ = √(−2 ln v), v = ((a >> 8) + 1)/2²⁴ ∈ (0, 1], and
+θ = 2π·(b >> 8)/2²⁴, in float32, as torch's own CPU sampler does (so |u_i| ≤ √(2 ln 2²⁴) = 5.77,
+a truncation of probability 2·10⁻⁹ a draw).
 
 The compiled loop and the same ops run uncompiled round ``log``/``cos`` differently in the last
-bit, so a process settles once which it uses: where compiling fails (no C++ compiler), a warning
-says so and :mod:`dpregistry.directions` draws with torch's generator, as before.
+bit, so a process settles once, per device type, which it uses: where compiling fails (no C++
+compiler), a warning says so and :mod:`dpregistry.directions` draws with the device's torch
+generator, as before.
 """
 
 from __future__ import annotations
@@ -54,23 +58,27 @@ def _box_muller(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return rho * torch.cos(theta), rho * torch.sin(theta)
 
 
-def gaussians(n: int, k0: torch.Tensor, k1: torch.Tensor, device=None) -> torch.Tensor:
-    """The chunk's n float32 Gaussians in the layout above."""
-    c = torch.arange(-(-n // 4), dtype=torch.int64, device=device)
+def gaussians(n: int, k0: torch.Tensor, k1: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """n float32 Gaussians from element ``start`` (a multiple of 4; a 0-d int64 tensor) on."""
+    c = (start >> 2) + torch.arange(-(-n // 4), dtype=torch.int64, device=start.device)
     zero = torch.zeros_like(c)
-    w0, w1, w2, w3 = philox([c, zero, zero, zero], k0, k1)
+    w0, w1, w2, w3 = philox([c & _MASK, c >> 32, zero, zero], k0, k1)
     return torch.stack([*_box_muller(w0, w1), *_box_muller(w2, w3)], 1).view(-1)[:n]
 
 
-def _add_(p: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, scale: torch.Tensor) -> None:
-    """p += scale·u for a flat float32 chunk p (scale rounded to float32, as ``add_``'s alpha is)."""
-    p.add_(gaussians(p.numel(), k0, k1, p.device) * scale.to(torch.float32))
+def _add_(p: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, start: torch.Tensor, scale: torch.Tensor) -> None:
+    """p += scale·u for a flat chunk p from element ``start`` of its tensor, in float32 (or p's wider
+    dtype), rounded once to p's dtype."""
+    acc = torch.promote_types(p.dtype, torch.float32)
+    u = gaussians(p.numel(), k0, k1, start)
+    p.copy_((p.to(acc) + u.to(acc) * scale.to(acc)).to(p.dtype))
 
 
-# Dynamo compiles a kernel per dtype and per thread count (a guard) and stops at 8 kernels, so only
-# float32 chunks of at least _SMALLEST elements are compiled: sizes 1 to 4 would each recompile.
+# Dynamo compiles a kernel per dtype and, on a CPU, per thread count (a guard), and stops at 8, so
+# on a CPU only float32 chunks are compiled (others add u from a float32 chunk); and no chunk below
+# _SMALLEST elements is: sizes 1 to 4 would each recompile.
 _SMALLEST = 8
-_COMPILES_ON = ("cpu",)  # accelerators keep torch's generator (dpregistry.directions.DEVICE_CHUNK)
+_COMPILES_ON = ("cpu", "cuda")
 _kernels: dict[str, object] = {}  # device type -> the compiled _add_, or None where compiling failed
 _lock = threading.Lock()
 
@@ -86,7 +94,7 @@ def _kernel(device: torch.device):
             fn = torch.compile(_add_, dynamic=True, fullgraph=True)
             try:
                 with torch.no_grad():  # grad mode is one of the compiled kernel's guards
-                    fn(torch.zeros(_SMALLEST, device=device), *_key(0, device), torch.ones((), dtype=torch.float64))
+                    fn(torch.zeros(_SMALLEST, device=device), *_key(0, 0, device), torch.ones((), dtype=torch.float64))
             except Exception as e:  # no C++ compiler, or no Inductor backend for this device
                 warnings.warn(f"random directions: compiling the Philox kernel failed ({type(e).__name__}); "
                               f"Gaussian directions come from torch's generator instead (slower)",
@@ -96,10 +104,10 @@ def _kernel(device: torch.device):
         return _kernels[kind]
 
 
-def _key(seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 64-bit seed as Philox's two key words (tensors: one compiled kernel serves every key)."""
-    return (torch.tensor(seed & _MASK, dtype=torch.int64, device=device),
-            torch.tensor((seed >> 32) & _MASK, dtype=torch.int64, device=device))
+def _key(seed: int, start: int, device) -> tuple[torch.Tensor, ...]:
+    """A 64-bit seed as Philox's two key words, and the chunk's first element (tensors: one
+    compiled kernel serves every key and chunk)."""
+    return tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (seed & _MASK, (seed >> 32) & _MASK, start))
 
 
 def fused_for(device) -> bool:
@@ -107,12 +115,15 @@ def fused_for(device) -> bool:
     return _kernel(torch.device(device)) is not None
 
 
-def add_(chunk: torch.Tensor, seed: int, scale: float) -> None:
-    """chunk += scale·u in place, u the Gaussians of ``seed`` (a contiguous chunk; see fused_for)."""
+def add_(chunk: torch.Tensor, seed: int, scale: float, start: int = 0) -> None:
+    """chunk += scale·u in place, u the Gaussians of ``seed`` from element ``start`` of the tensor
+    the chunk is cut from (a multiple of 4; the chunk contiguous; see fused_for)."""
+    if start % 4:
+        raise ValueError(f"a chunk starts at a multiple of 4 elements, not {start}")
     fn, flat = _kernel(chunk.device), chunk.view(-1)
-    key = _key(seed, chunk.device)
+    key = _key(seed, start, chunk.device)
     with torch.no_grad():
-        if flat.dtype == torch.float32 and flat.numel() >= _SMALLEST:
+        if (flat.dtype == torch.float32 or flat.device.type != "cpu") and flat.numel() >= _SMALLEST:
             fn(flat, *key, torch.tensor(scale, dtype=torch.float64))
         elif flat.numel():  # u from a float32 chunk (a shorter chunk's u is a longer one's first entries)
             u = torch.zeros(max(flat.numel(), _SMALLEST), device=chunk.device)

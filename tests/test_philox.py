@@ -30,13 +30,14 @@ def test_philox_matches_the_published_known_answers(counter, key, expected):
     assert tuple(int(w) for w in words) == expected
 
 
-def _formula(n: int, seed: int) -> np.ndarray:
+def _formula(n: int, seed: int, start: int = 0) -> np.ndarray:
     """The module docstring's layout and Box–Muller, in float64 with NumPy, from the words of the
-    (known-answer-checked) generator."""
+    (known-answer-checked) generator: elements start … start + n − 1 of a tensor's u."""
     k0, k1 = seed & 0xFFFFFFFF, seed >> 32
-    c = torch.arange(-(-n // 4), dtype=torch.int64)
+    c = start // 4 + torch.arange(-(-n // 4), dtype=torch.int64)
     zero = torch.zeros_like(c)
-    w = [x.numpy().astype(np.uint64) for x in philox.philox([c, zero, zero, zero], torch.tensor(k0), torch.tensor(k1))]
+    words = philox.philox([c & 0xFFFFFFFF, c >> 32, zero, zero], torch.tensor(k0), torch.tensor(k1))
+    w = [x.numpy().astype(np.uint64) for x in words]
     out = np.empty((len(c), 4))
     for col, (a, b) in enumerate(((w[0], w[1]), (w[2], w[3]))):
         rho = np.sqrt(-2.0 * np.log(((a >> np.uint64(8)) + np.uint64(1)).astype(np.float64) / 2.0 ** 24))
@@ -56,6 +57,26 @@ def test_the_fused_sweep_adds_the_formulas_gaussians(n):
     np.testing.assert_allclose(p.double().numpy(), expected, rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("start", [0, 8, 1 << 20, (1 << 34) + 12])  # the last counts past 2³² counters
+def test_a_chunk_gets_the_elements_of_its_tensor_from_its_start_on(start):
+    """The counter is the element's position in its tensor, so u does not depend on how a tensor
+    is cut into chunks (the CPU's 2²⁰ elements, a GPU's 2²⁴): a chunk from ``start`` adds exactly
+    the formula's elements start … start + n − 1."""
+    p = torch.zeros(1003)
+    philox.add_(p, 77, 1.0, start)
+    np.testing.assert_allclose(p.double().numpy(), _formula(1003, 77, start), rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        philox.add_(p, 77, 1.0, start + 2)
+
+
+def test_a_tensor_swept_in_chunks_gets_one_u():
+    from dpregistry import directions
+
+    t = torch.zeros(2 * directions.CHUNK + 13)
+    Direction(seed=4).add_([t], 1.0)
+    np.testing.assert_allclose(t.double().numpy(), _formula(t.numel(), Direction(seed=4)._seed(0)), rtol=2e-6, atol=2e-6)
+
+
 def test_the_gaussians_are_standard_normal():
     z = torch.zeros(1 << 20)
     philox.add_(z, 12345, 1.0)
@@ -72,7 +93,7 @@ def test_the_compiled_path_is_taken_on_this_cpu_and_u_is_philox():
     like = [torch.zeros(3, 5), torch.zeros(11)]
     u = d.dense(like)
     for i, t in enumerate(like):
-        np.testing.assert_allclose(u[i].reshape(-1).double().numpy(), _formula(t.numel(), d._seed(i, 0)),
+        np.testing.assert_allclose(u[i].reshape(-1).double().numpy(), _formula(t.numel(), d._seed(i)),
                                    rtol=2e-6, atol=2e-6)
     swept = [torch.zeros_like(t) for t in like]
     d.add_(swept, 0.25)
