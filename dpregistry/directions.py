@@ -5,15 +5,16 @@ distribution and the list of tensors it spans. u is drawn tensor by tensor, in f
 each tensor's own dtype, so that perturbing a parameter costs one chunk of scratch memory and the
 same seed always gives the same u (DPZero §2.4, "seed trick").
 
-Drawing Gaussians is the cost of a zeroth-order step's parameter sweeps. On a CPU and a CUDA GPU
-they come from Philox4x32-10 keyed per tensor and counted per element, compiled with the sweep's
-``t += s·u`` into one loop (:mod:`dpregistry.philox`): u is then the same, but for the last bit
-of rounding, on every device, for any chunking and thread count. Elsewhere, and where
-torch.compile does not work, every chunk has its own generator of the device, seeded from (seed,
-tensor, chunk), and a CPU's chunks run on a thread pool (its generator is sequential); u then
-depends on the device kind and its chunk size: at 2²⁰ elements, OPT-6.7B's 6,400 chunks made a
-sweep on an H200 cost 8.7 forward passes in per-chunk overhead, so accelerators take 2²⁴.
-Rademacher signs always take that path.
+Drawing Gaussians is the cost of a zeroth-order step's parameter sweeps. On a CPU they come from
+Philox4x32-10 keyed per tensor and counted per element, compiled with the sweep's ``t += s·u``
+into one vectorised, multi-threaded loop (:mod:`dpregistry.philox`): u does not depend on the
+chunking or the thread count. On an accelerator, and on a CPU where torch.compile does not work,
+every chunk has its own generator of the device, seeded from (seed, tensor, chunk), and a CPU's
+chunks run on a thread pool (its generator is sequential). An accelerator draws larger chunks:
+at 2²⁰ elements, OPT-6.7B's 6,400 chunks made a sweep on an H200 cost 8.7 forward passes in
+per-chunk overhead. u therefore depends on the device kind (its generator and chunk size) and,
+on a CPU, on whether torch.compile works there; never on anything else. Rademacher signs always
+come from the device's generator.
 """
 
 from __future__ import annotations
