@@ -5,16 +5,16 @@ distribution and the list of tensors it spans. u is drawn tensor by tensor, in f
 each tensor's own dtype, so that perturbing a parameter costs one chunk of scratch memory and the
 same seed always gives the same u (DPZero §2.4, "seed trick").
 
-Drawing Gaussians is the cost of a zeroth-order step's parameter sweeps. On a CPU they come from
-Philox4x32-10 keyed per tensor and counted per element, compiled with the sweep's ``t += s·u``
-into one vectorised, multi-threaded loop (:mod:`dpregistry.philox`): u does not depend on the
-chunking or the thread count. On an accelerator, and on a CPU where torch.compile does not work,
-every chunk has its own generator of the device, seeded from (seed, tensor, chunk), and a CPU's
-chunks run on a thread pool (its generator is sequential). An accelerator draws larger chunks:
-at 2²⁰ elements, OPT-6.7B's 6,400 chunks made a sweep on an H200 cost 8.7 forward passes in
-per-chunk overhead. u therefore depends on the device kind (its generator and chunk size) and,
-on a CPU, on whether torch.compile works there; never on anything else. Rademacher signs always
-come from the device's generator.
+Drawing Gaussians is the cost of a zeroth-order step's parameter sweeps. On a CPU, float32 chunks
+of at least 2¹⁴ elements take them from Philox4x32-10 keyed per tensor, compiled with the
+sweep's ``t += s·u`` into one vectorised, multi-threaded loop (:mod:`dpregistry.philox`). Other
+chunks, those on an accelerator, and all chunks where torch.compile does not work take torch's
+generator: every chunk has its own generator of the device, seeded from (seed, tensor, chunk),
+and a CPU's chunks run on a thread pool (its generator is sequential). An accelerator draws
+larger chunks: at 2²⁰ elements, OPT-6.7B's 6,400 chunks made a sweep on an H200 cost 8.7 forward
+passes in per-chunk overhead. u therefore depends on the device kind (its generator and chunk
+size) and, on a CPU, on whether torch.compile works there; never on the number of threads.
+Rademacher signs always come from the device's generator.
 """
 
 from __future__ import annotations
@@ -114,15 +114,19 @@ class Direction:
         """A chunk's generator seed; Philox takes one key per tensor (None) and counts its elements."""
         return derive("dpregistry-direction", self.seed, tensor_index, *(() if chunk_index is None else (chunk_index,)))
 
-    def _fused(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether z comes from the compiled Philox kernel (dpregistry.philox): Gaussian and sphere
-        directions on a CPU where torch.compile works."""
-        return self.distribution != "rademacher" and all(philox.fused_for(t.device) for t in tensors)
+    def _philox(self, chunk: torch.Tensor) -> bool:
+        """Whether the chunk's z comes from the compiled Philox kernel (Gaussian and sphere
+        directions; see ``philox.takes``)."""
+        return self.distribution != "rademacher" and philox.takes(chunk)
+
+    def _pooled(self, tensors: list[torch.Tensor]) -> bool:
+        """Chunks go to the thread pool unless the Philox kernel draws any (it uses every thread)."""
+        return not any(self._philox(c) for t in tensors for c in _chunks(t))
 
     def _draw(self, tensor_index: int, chunk_index: int, like: torch.Tensor) -> torch.Tensor:
         """This chunk's z, in a scratch buffer of the calling thread (valid until its next draw)."""
         out = _buffer(like.dtype, like.device)[:like.numel()].view(like.shape)
-        if self._fused([like]):
+        if self._philox(like):
             philox.add_(out.zero_(), self._seed(tensor_index), 1.0, chunk_index * chunk_size(like.device))
             return out
         g = torch.Generator(device=like.device)
@@ -143,24 +147,28 @@ class Direction:
         if self.distribution != "sphere":
             raise ValueError(f"unknown direction distribution {self.distribution!r}")
         # Sphere: one extra regeneration pass for ‖z‖ (DPZero spec §6, note on the sphere).
-        sq = _map(lambda i, j, c: float(self._draw(i, j, c).double().pow(2).sum()), tensors, not self._fused(tensors))
+        sq = _map(lambda i, j, c: float(self._draw(i, j, c).double().pow(2).sum()), tensors, self._pooled(tensors))
         return math.sqrt(sum(t.numel() for t in tensors) / math.fsum(sq))
 
     def add_(self, tensors: Iterable[torch.Tensor], scale: float) -> None:
         """t += scale·u, chunk by chunk, in place."""
         tensors = list(tensors)
         s = scale * self._scale(tensors)
-        if self._fused(tensors):  # u is drawn inside the loop that adds it: never written to memory
-            _map(lambda i, j, c: philox.add_(c, self._seed(i), s, j * chunk_size(c.device)), tensors, pooled=False)
-        else:
-            _map(lambda i, j, c: c.add_(self._draw(i, j, c), alpha=s), tensors)
+
+        def sweep(i, j, c):
+            if self._philox(c):  # u is drawn inside the loop that adds it: never written to memory
+                philox.add_(c, self._seed(i), s, j * chunk_size(c.device))
+            else:
+                c.add_(self._draw(i, j, c), alpha=s)
+
+        _map(sweep, tensors, self._pooled(tensors))
 
     def dense(self, tensors: Iterable[torch.Tensor], dtype=None) -> list[torch.Tensor]:
         """Materialise u in the shapes of ``tensors`` (costs d memory: tests and dense lifts only)."""
         tensors = list(tensors)
         s = self._scale(tensors)
         out = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-        _map(lambda i, j, c: c.copy_(self._draw(i, j, c)).mul_(s), out, not self._fused(out))
+        _map(lambda i, j, c: c.copy_(self._draw(i, j, c)).mul_(s), out, self._pooled(out))
         return [o.to(dtype) if dtype is not None else o for o in out]
 
     def dot(self, tensors: Iterable[torch.Tensor], others: Mapping[int, torch.Tensor] | list) -> float:
@@ -174,4 +182,4 @@ class Direction:
             v = flat[i][j * k:j * k + c.numel()]
             return float((self._draw(i, j, c).double() * v.double()).sum())
 
-        return math.fsum(_map(term, tensors, not self._fused(tensors))) * s
+        return math.fsum(_map(term, tensors, self._pooled(tensors))) * s

@@ -7,18 +7,19 @@ cost 0.19 of a forward pass on OPT-125m. Here u comes from a counter-based gener
 Philox4x32-10 (Salmon, Moraes, Dror & Shaw, SC 2011; the generator of cuRAND and JAX), and
 ``torch.compile`` fuses its ten rounds, the Box–Muller transform and ``p += s·u`` into one
 vectorised, multi-threaded loop: no u is ever written to memory, and each element depends only on
-its key and position, never on the number of threads. CPUs only: the rounds multiply 32-bit words
+its key, its chunk and its place in the chunk, never on the number of threads. CPUs only: the rounds multiply 32-bit words
 into 64-bit products, which a GPU emulates, so on an H100 the fused kernel took 22.7 ps an element
 against torch's own generator's 4.4 (an OPT-6.7B sweep 8.3 forward passes against 1.18);
 accelerators keep that generator (:mod:`dpregistry.directions`).
 
-Element i of a tensor under key (k0, k1) comes from counter c = i // 4 (words w0, w1, w2, w3,
-the counter's low and high 32 bits in its first two words): the pair (w0, w1) gives elements 4c
-and 4c + 1, the pair (w2, w3) elements 4c + 2 and 4c + 3. So u does not depend on how a tensor
-is cut into chunks (on the H100 the same kernel gave every element within 1e-6 of the CPU's). A pair (a, b) gives
-ρ·cos θ and ρ·sin θ with ρ = √(−2 ln v), v = ((a >> 8) + 1)/2²⁴ ∈ (0, 1], and
-θ = 2π·(b >> 8)/2²⁴, in float32, as torch's own CPU sampler does (so |u_i| ≤ √(2 ln 2²⁴) = 5.77,
-a truncation of probability 2·10⁻⁹ a draw).
+A chunk of n elements that starts at element ``start`` of its tensor (keyed per tensor) reads the
+q = ⌈n/4⌉ counters start/4 … start/4 + q − 1, so no two chunks of a tensor share one; counter c's
+words (w0, w1, w2, w3) give, as pairs (w0, w1) and (w2, w3), the chunk's elements c, q + c,
+2q + c and 3q + c (four contiguous blocks: the compiled loop stores them vectorised; interleaved,
+it ran 1.4 × slower), those ≥ n dropped. A pair (a, b) gives ρ·cos θ and ρ·sin θ with
+ρ = √(−2 ln v), v = ((a >> 8) + 1)/2²⁴ ∈ (0, 1], and θ = 2π·(b >> 8)/2²⁴, in float32, as torch's
+own CPU sampler does (so |u_i| ≤ √(2 ln 2²⁴) = 5.77, a truncation of probability 2·10⁻⁹ a draw).
+Chunks below MIN_CHUNK elements, and of another dtype, take torch's generator (:mod:`dpregistry.directions`).
 
 The compiled loop and the same ops run uncompiled round ``log``/``cos`` differently in the last
 bit, so a process settles once, per device type, which it uses: where compiling fails (no C++
@@ -61,25 +62,23 @@ def _box_muller(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def gaussians(n: int, k0: torch.Tensor, k1: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """n float32 Gaussians from element ``start`` (a multiple of 4; a 0-d int64 tensor) on."""
+    """The n float32 Gaussians of a chunk from element ``start`` (a multiple of 4; a 0-d int64
+    tensor) of its tensor, in the layout above."""
     c = (start >> 2) + torch.arange(-(-n // 4), dtype=torch.int64, device=start.device)
     zero = torch.zeros_like(c)
     w0, w1, w2, w3 = philox([c & _MASK, c >> 32, zero, zero], k0, k1)
-    return torch.stack([*_box_muller(w0, w1), *_box_muller(w2, w3)], 1).view(-1)[:n]
+    return torch.cat([*_box_muller(w0, w1), *_box_muller(w2, w3)])[:n]
 
 
 def _add_(p: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, start: torch.Tensor, scale: torch.Tensor) -> None:
-    """p += scale·u for a flat chunk p from element ``start`` of its tensor, in float32 (or p's wider
-    dtype), rounded once to p's dtype."""
-    acc = torch.promote_types(p.dtype, torch.float32)
-    u = gaussians(p.numel(), k0, k1, start)
-    p.copy_((p.to(acc) + u.to(acc) * scale.to(acc)).to(p.dtype))
+    """p += scale·u for a flat float32 chunk p from element ``start`` of its tensor."""
+    p.add_(gaussians(p.numel(), k0, k1, start) * scale.to(torch.float32))
 
 
-# Dynamo compiles a kernel per dtype and per thread count (a guard), and stops at 8, so only
-# float32 chunks are compiled (others add u from a float32 chunk); and no chunk below _SMALLEST
-# elements is: sizes 1 to 4 would each recompile.
-_SMALLEST = 8
+# Dynamo compiles a kernel per dtype and per thread count (a guard) and stops at 8, so the kernel
+# takes float32 chunks only; and chunks of at least MIN_CHUNK elements, since a call costs about
+# 40 µs (guards, a parallel region) and torch's generator draws a short chunk sooner.
+MIN_CHUNK = 1 << 14
 _COMPILES_ON = ("cpu",)
 _kernels: dict[str, object] = {}  # device type -> the compiled _add_, or None where compiling failed
 _lock = threading.Lock()
@@ -96,7 +95,7 @@ def _kernel(device: torch.device):
             fn = torch.compile(_add_, dynamic=True, fullgraph=True)
             try:
                 with torch.no_grad():  # grad mode is one of the compiled kernel's guards
-                    fn(torch.zeros(_SMALLEST, device=device), *_key(0, 0, device), torch.ones((), dtype=torch.float64))
+                    fn(torch.zeros(MIN_CHUNK, device=device), *_key(0, 0, device), torch.ones((), dtype=torch.float64))
             except Exception as e:  # no C++ compiler, or no Inductor backend for this device
                 warnings.warn(f"random directions: compiling the Philox kernel failed ({type(e).__name__}); "
                               f"Gaussian directions come from torch's generator instead (slower)",
@@ -112,23 +111,16 @@ def _key(seed: int, start: int, device) -> tuple[torch.Tensor, ...]:
     return tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (seed & _MASK, (seed >> 32) & _MASK, start))
 
 
-def fused_for(device) -> bool:
-    """Whether Gaussian directions on ``device`` come from the compiled Philox kernel."""
-    return _kernel(torch.device(device)) is not None
+def takes(chunk: torch.Tensor) -> bool:
+    """Whether this chunk's Gaussians come from the compiled kernel: a float32 chunk of at least
+    MIN_CHUNK elements on a CPU where torch.compile works."""
+    return chunk.dtype == torch.float32 and chunk.numel() >= MIN_CHUNK and _kernel(chunk.device) is not None
 
 
 def add_(chunk: torch.Tensor, seed: int, scale: float, start: int = 0) -> None:
     """chunk += scale·u in place, u the Gaussians of ``seed`` from element ``start`` of the tensor
-    the chunk is cut from (a multiple of 4; the chunk contiguous; see fused_for)."""
-    if start % 4:
-        raise ValueError(f"a chunk starts at a multiple of 4 elements, not {start}")
-    fn, flat = _kernel(chunk.device), chunk.view(-1)
-    key = _key(seed, start, chunk.device)
+    the chunk is cut from (a multiple of 4; a contiguous chunk that the kernel ``takes``)."""
+    if start % 4 or not takes(chunk):
+        raise ValueError(f"not a chunk for the Philox kernel: {chunk.numel()} {chunk.dtype} elements from {start}")
     with torch.no_grad():
-        if flat.dtype == torch.float32 and flat.numel() >= _SMALLEST:
-            fn(flat, *key, torch.tensor(scale, dtype=torch.float64))
-        elif flat.numel():  # u from a float32 chunk (a shorter chunk's u is a longer one's first entries)
-            u = torch.zeros(max(flat.numel(), _SMALLEST), device=chunk.device)
-            fn(u, *key, torch.ones((), dtype=torch.float64))
-            acc = torch.promote_types(flat.dtype, torch.float32)
-            flat.copy_((flat.to(acc) + u[:flat.numel()].to(acc) * scale).to(flat.dtype))
+        _kernel(chunk.device)(chunk.view(-1), *_key(seed, start, chunk.device), torch.tensor(scale, dtype=torch.float64))

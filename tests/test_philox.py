@@ -32,24 +32,24 @@ def test_philox_matches_the_published_known_answers(counter, key, expected):
 
 def _formula(n: int, seed: int, start: int = 0) -> np.ndarray:
     """The module docstring's layout and Box–Muller, in float64 with NumPy, from the words of the
-    (known-answer-checked) generator: elements start … start + n − 1 of a tensor's u."""
+    (known-answer-checked) generator: the u of a chunk of n elements from element ``start`` on."""
     k0, k1 = seed & 0xFFFFFFFF, seed >> 32
     c = start // 4 + torch.arange(-(-n // 4), dtype=torch.int64)
     zero = torch.zeros_like(c)
     words = philox.philox([c & 0xFFFFFFFF, c >> 32, zero, zero], torch.tensor(k0), torch.tensor(k1))
     w = [x.numpy().astype(np.uint64) for x in words]
-    out = np.empty((len(c), 4))
-    for col, (a, b) in enumerate(((w[0], w[1]), (w[2], w[3]))):
+    blocks = []
+    for a, b in ((w[0], w[1]), (w[2], w[3])):
         rho = np.sqrt(-2.0 * np.log(((a >> np.uint64(8)) + np.uint64(1)).astype(np.float64) / 2.0 ** 24))
         theta = 2.0 * math.pi * (b >> np.uint64(8)).astype(np.float64) / 2.0 ** 24
-        out[:, 2 * col], out[:, 2 * col + 1] = rho * np.cos(theta), rho * np.sin(theta)
-    return out.reshape(-1)[:n]
+        blocks += [rho * np.cos(theta), rho * np.sin(theta)]
+    return np.concatenate(blocks)[:n]
 
 
-@pytest.mark.parametrize("n", [1, 3, 7, 8, 1001, 1 << 16])
+@pytest.mark.parametrize("n", [philox.MIN_CHUNK, philox.MIN_CHUNK + 3, 1 << 20])
 def test_the_fused_sweep_adds_the_formulas_gaussians(n):
-    """p += s·u through the compiled kernel (every size: the small ones go through a padded
-    chunk) equals p + s·u with u computed independently in float64, to float32 rounding."""
+    """p += s·u through the compiled kernel equals p + s·u with u computed independently in
+    float64, to float32 rounding."""
     seed = derive("test-philox", n)
     p = torch.linspace(-1, 1, n)
     expected = p.double().numpy() + 0.5 * _formula(n, seed)
@@ -58,23 +58,27 @@ def test_the_fused_sweep_adds_the_formulas_gaussians(n):
 
 
 @pytest.mark.parametrize("start", [0, 8, 1 << 20, (1 << 34) + 12])  # the last counts past 2³² counters
-def test_a_chunk_gets_the_elements_of_its_tensor_from_its_start_on(start):
-    """The counter is the element's position in its tensor, so u does not depend on how a tensor
-    is cut into chunks (the CPU's 2²⁰ elements, a GPU's 2²⁴): a chunk from ``start`` adds exactly
-    the formula's elements start … start + n − 1."""
-    p = torch.zeros(1003)
+def test_a_chunk_reads_the_counters_from_its_start_on(start):
+    """A chunk from element ``start`` of its tensor reads counters start/4 on, so the chunks of a
+    tensor (2²⁰ elements each) never share a counter; a start off a multiple of 4 is refused."""
+    n = philox.MIN_CHUNK + 3
+    p = torch.zeros(n)
     philox.add_(p, 77, 1.0, start)
-    np.testing.assert_allclose(p.double().numpy(), _formula(1003, 77, start), rtol=2e-6, atol=2e-6)
-    with pytest.raises(ValueError, match="multiple of 4"):
+    np.testing.assert_allclose(p.double().numpy(), _formula(n, 77, start), rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match="not a chunk for the Philox kernel"):
         philox.add_(p, 77, 1.0, start + 2)
 
 
-def test_a_tensor_swept_in_chunks_gets_one_u():
+def test_a_tensor_of_several_chunks_gets_each_chunks_formula():
     from dpregistry import directions
 
-    t = torch.zeros(2 * directions.CHUNK + 13)
-    Direction(seed=4).add_([t], 1.0)
-    np.testing.assert_allclose(t.double().numpy(), _formula(t.numel(), Direction(seed=4)._seed(0)), rtol=2e-6, atol=2e-6)
+    k = directions.CHUNK
+    tail = philox.MIN_CHUNK + 4
+    t = torch.zeros(2 * k + tail)
+    d = Direction(seed=4)
+    d.add_([t], 1.0)
+    expected = np.concatenate([_formula(k, d._seed(0), 0), _formula(k, d._seed(0), k), _formula(tail, d._seed(0), 2 * k)])
+    np.testing.assert_allclose(t.double().numpy(), expected, rtol=2e-6, atol=2e-6)
 
 
 def test_the_gaussians_are_standard_normal():
@@ -86,15 +90,19 @@ def test_the_gaussians_are_standard_normal():
     assert float(z.abs().max()) <= math.sqrt(2 * 24 * math.log(2)) + 1e-5
 
 
-def test_the_compiled_path_is_taken_on_this_cpu_and_u_is_philox():
-    """CI has a C++ compiler: Gaussian directions on the CPU are Philox's, in add_, dense and dot."""
-    assert philox.fused_for("cpu")
+def test_the_compiled_path_is_taken_on_this_cpu_for_large_float32_chunks():
+    """CI has a C++ compiler: on the CPU, float32 tensors of at least MIN_CHUNK elements get
+    Philox's Gaussians, in add_ and dense alike; shorter ones and other dtypes torch's generator."""
     d = Direction(seed=5)
-    like = [torch.zeros(3, 5), torch.zeros(11)]
+    like = [torch.zeros(3, philox.MIN_CHUNK // 3 + 5), torch.zeros(philox.MIN_CHUNK), torch.zeros(11),
+            torch.zeros(philox.MIN_CHUNK, dtype=torch.float64)]
     u = d.dense(like)
-    for i, t in enumerate(like):
-        np.testing.assert_allclose(u[i].reshape(-1).double().numpy(), _formula(t.numel(), d._seed(i)),
+    for i in (0, 1):
+        np.testing.assert_allclose(u[i].reshape(-1).double().numpy(), _formula(like[i].numel(), d._seed(i)),
                                    rtol=2e-6, atol=2e-6)
+    for i in (2, 3):
+        expected = torch.zeros_like(like[i]).normal_(generator=torch.Generator().manual_seed(d._seed(i, 0)))
+        assert torch.equal(u[i], expected)
     swept = [torch.zeros_like(t) for t in like]
     d.add_(swept, 0.25)
     assert all(torch.equal(0.25 * a, b) for a, b in zip(u, swept))
@@ -118,15 +126,15 @@ def test_without_a_compiler_directions_come_from_torchs_generator_with_one_warni
     fake = _FailingCompile()
     monkeypatch.setattr(torch, "compile", fake)
     monkeypatch.setattr(philox, "_kernels", {})
-    d = Direction(seed=9)
+    d, n = Direction(seed=9), philox.MIN_CHUNK
     with pytest.warns(RuntimeWarning, match="torch's generator") as caught:
-        u = d.dense([torch.zeros(100)])[0]
+        u = d.dense([torch.zeros(n)])[0]
     assert len(caught) == 1
     g = torch.Generator().manual_seed(d._seed(0, 0))
-    assert torch.equal(u, torch.zeros(100).normal_(generator=g))
+    assert torch.equal(u, torch.zeros(n).normal_(generator=g))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        swept = torch.zeros(100)
+        swept = torch.zeros(n)
         d.add_([swept], 2.0)
     assert torch.equal(swept, 2.0 * u) and fake.calls == 1
 
@@ -134,9 +142,10 @@ def test_without_a_compiler_directions_come_from_torchs_generator_with_one_warni
 def test_with_compiling_disabled_directions_come_from_torchs_generator():
     """TORCH_COMPILE_DISABLE makes torch.compile a no-op, whose kernel would run its ops one by one
     (over 50 times slower): the process takes torch's generator instead."""
+    big = torch.zeros(philox.MIN_CHUNK)
     with torch._dynamo.config.patch(disable=True):
-        assert not philox.fused_for("cpu")
-    assert philox.fused_for("cpu")
+        assert not philox.takes(big)
+    assert philox.takes(big)
 
 
 def test_the_user_hears_of_the_compile_once(monkeypatch):
@@ -144,5 +153,5 @@ def test_the_user_hears_of_the_compile_once(monkeypatch):
     monkeypatch.setattr(philox, "_kernels", {})
     with progress.saying(heard.append):
         for _ in range(3):
-            philox.add_(torch.zeros(16), 1, 1.0)
+            philox.add_(torch.zeros(philox.MIN_CHUNK), 1, 1.0)
     assert heard == ["random directions: compiling the Gaussian kernel, once per process (a few seconds)"]
