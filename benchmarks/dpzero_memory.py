@@ -15,8 +15,8 @@ warm up, resets the kernel's peak-RSS counter (``echo 5 > /proc/self/clear_refs`
 runs the operation again and reads ``VmHWM``. "Peak memory" is VmHWM − base: the parameters, the
 activations and every temporary, as the GPU's max_memory_allocated counts them, without the Python
 and torch runtime (the DPZero child also loads the compiled direction kernel before ``base``:
-Inductor's code, printed apart). Large tensors are mmap'ed by the allocator, so freed memory leaves the RSS and
-the counter sees true peaks. On CUDA (``--device cuda``) torch.cuda.max_memory_allocated is used.
+Inductor's code, printed apart). Large tensors are mmap'ed by the allocator, so freed memory
+leaves the RSS and the counter sees true peaks. On CUDA (``--device cuda``) torch.cuda.max_memory_allocated is used.
 
 Usage: python benchmarks/dpzero_memory.py [--model opt-125m] [--batch 16] [--max-length 64]
        [--dtype float32] [--device cpu] [--data DIR] [--skip-dp-adam] [--direction rademacher]
@@ -140,8 +140,8 @@ def child(args) -> dict:
                 torch.cuda.synchronize()
             sweeps.append(time.perf_counter() - t0)
         sweep = statistics.median(sweeps)
-    return {"measure": args.measure, "peak_bytes": peak, "runtime_bytes": runtime, "seconds": statistics.median(times), "times": times,
-            "forward_seconds": statistics.median(fwd_times), "sweep_seconds": sweep,
+    return {"measure": args.measure, "peak_bytes": peak, "runtime_bytes": runtime,
+            "seconds": statistics.median(times), "times": times, "forward_seconds": statistics.median(fwd_times), "sweep_seconds": sweep,
             "params": n_params, "batch": int(len(idx)),
             "tokens": sum(len(obj.train_tok[i][0]) for i in idx.tolist())}
 
