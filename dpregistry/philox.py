@@ -75,10 +75,12 @@ def _add_(p: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, start: torch.Tens
     p.add_(gaussians(p.numel(), k0, k1, start) * scale.to(torch.float32))
 
 
-# Dynamo compiles a kernel per dtype and per thread count (a guard) and stops at 8, so the kernel
-# takes float32 chunks only; and chunks of at least MIN_CHUNK elements, since a call costs about
+# Dynamo compiles a kernel per dtype and per torch thread count (a guard), and by default fails
+# (fullgraph) past 8: the kernel takes float32 chunks only, and its calls allow one kernel per
+# thread count up to _KERNELS. And chunks of at least MIN_CHUNK elements, since a call costs about
 # 40 µs (guards, a parallel region) and torch's generator draws a short chunk sooner.
 MIN_CHUNK = 1 << 14
+_KERNELS = 64
 _COMPILES_ON = ("cpu",)
 _kernels: dict[str, object] = {}  # device type -> the compiled _add_, or None where compiling failed
 _lock = threading.Lock()
@@ -122,5 +124,5 @@ def add_(chunk: torch.Tensor, seed: int, scale: float, start: int = 0) -> None:
     the chunk is cut from (a multiple of 4; a contiguous chunk that the kernel ``takes``)."""
     if start % 4 or not takes(chunk):
         raise ValueError(f"not a chunk for the Philox kernel: {chunk.numel()} {chunk.dtype} elements from {start}")
-    with torch.no_grad():
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_KERNELS):
         _kernel(chunk.device)(chunk.view(-1), *_key(seed, start, chunk.device), torch.tensor(scale, dtype=torch.float64))

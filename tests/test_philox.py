@@ -108,6 +108,23 @@ def test_the_compiled_path_is_taken_on_this_cpu_for_large_float32_chunks():
     assert all(torch.equal(0.25 * a, b) for a, b in zip(u, swept))
 
 
+def test_a_process_that_changes_its_thread_count_keeps_the_kernel():
+    """The compiled loop is guarded on torch's thread count: each new count compiles another
+    (dynamo stops at 8 by default, which with fullgraph is an error in the middle of a sweep).
+    Nine counts in one process draw the same u, bit for bit."""
+    before = torch.get_num_threads()
+    expected = torch.zeros(philox.MIN_CHUNK)
+    philox.add_(expected, 3, 1.0)
+    try:
+        for n in range(1, 10):
+            torch.set_num_threads(n)
+            x = torch.zeros(philox.MIN_CHUNK)
+            philox.add_(x, 3, 1.0)
+            assert torch.equal(x, expected), n
+    finally:
+        torch.set_num_threads(before)
+
+
 class _FailingCompile:
     def __init__(self):
         self.calls = 0
