@@ -82,6 +82,13 @@ def _add_(p: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, start: torch.Tens
 MIN_CHUNK = 1 << 14
 _KERNELS = 64
 _COMPILES_ON = ("cpu",)
+
+
+def _room():
+    """Within the block, dynamo may keep _KERNELS kernels of a function (one per thread count)."""
+    return torch._dynamo.config.patch(recompile_limit=_KERNELS)
+
+
 _kernels: dict[str, object] = {}  # device type -> the compiled _add_, or None where compiling failed
 _lock = threading.Lock()
 
@@ -96,7 +103,7 @@ def _kernel(device: torch.device):
             say("random directions: compiling the Gaussian kernel, once per process (a few seconds)")
             fn = torch.compile(_add_, dynamic=True, fullgraph=True)
             try:
-                with torch.no_grad():  # grad mode is one of the compiled kernel's guards
+                with torch.no_grad(), _room():  # grad mode is one of the compiled kernel's guards
                     fn(torch.zeros(MIN_CHUNK, device=device), *_key(0, 0, device), torch.ones((), dtype=torch.float64))
             except Exception as e:  # no C++ compiler, or no Inductor backend for this device
                 warnings.warn(f"random directions: compiling the Philox kernel failed ({type(e).__name__}); "
@@ -124,5 +131,5 @@ def add_(chunk: torch.Tensor, seed: int, scale: float, start: int = 0) -> None:
     the chunk is cut from (a multiple of 4; a contiguous chunk that the kernel ``takes``)."""
     if start % 4 or not takes(chunk):
         raise ValueError(f"not a chunk for the Philox kernel: {chunk.numel()} {chunk.dtype} elements from {start}")
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_KERNELS):
+    with torch.no_grad(), _room():
         _kernel(chunk.device)(chunk.view(-1), *_key(seed, start, chunk.device), torch.tensor(scale, dtype=torch.float64))
