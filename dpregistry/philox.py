@@ -96,7 +96,7 @@ _lock = threading.Lock()
 def _kernel(device: torch.device):
     """The compiled ``_add_`` for ``device``'s type, or None; settled by the first call of a process."""
     kind = device.type
-    if kind not in _COMPILES_ON or torch._dynamo.config.disable:
+    if kind not in _COMPILES_ON or getattr(torch._dynamo.config, "disable", False):  # TORCH_COMPILE_DISABLE
         return None
     with _lock:
         if kind not in _kernels:
