@@ -70,18 +70,20 @@ def gaussians(n: int, k0: torch.Tensor, k1: torch.Tensor, start: torch.Tensor) -
     return torch.cat([*_box_muller(w0, w1), *_box_muller(w2, w3)])[:n]
 
 
-def _add_(p: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, start: torch.Tensor, scale: torch.Tensor) -> None:
-    """p += scale·u for a flat float32 chunk p from element ``start`` of its tensor."""
-    p.add_(gaussians(p.numel(), k0, k1, start) * scale.to(torch.float32))
+def _add_(p: torch.Tensor, key: torch.Tensor, scale: torch.Tensor) -> None:
+    """p += scale·u for a flat float32 chunk p; ``key`` holds (k0, k1, the chunk's first element)."""
+    p.add_(gaussians(p.numel(), key[0], key[1], key[2]) * scale.to(torch.float32))
 
 
 # Dynamo compiles a kernel per dtype and per torch thread count (a guard), and by default fails
-# (fullgraph) past 8: the kernel takes float32 chunks only, and its calls allow one kernel per
-# thread count up to _KERNELS. And chunks of at least MIN_CHUNK elements, since a call costs about
-# 40 µs (guards, a parallel region) and torch's generator draws a short chunk sooner.
+# (fullgraph) past 8: the kernel takes float32 chunks only, and a call that hits the limit is
+# retried with room for one kernel per thread count up to _KERNELS. And chunks of at least
+# MIN_CHUNK elements, since a call costs about 40 µs (guards, a parallel region) and torch's
+# generator draws a short chunk sooner.
 MIN_CHUNK = 1 << 14
 _KERNELS = 64
 _COMPILES_ON = ("cpu",)
+_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())  # raised before the kernel runs
 
 
 def _room():
@@ -104,7 +106,7 @@ def _kernel(device: torch.device):
             fn = torch.compile(_add_, dynamic=True, fullgraph=True)
             try:
                 with torch.no_grad(), _room():  # grad mode is one of the compiled kernel's guards
-                    fn(torch.zeros(MIN_CHUNK, device=device), *_key(0, 0, device), torch.ones((), dtype=torch.float64))
+                    fn(torch.zeros(MIN_CHUNK, device=device), _key(0, 0, device), torch.ones((), dtype=torch.float64))
             except Exception as e:  # no C++ compiler, or no Inductor backend for this device
                 warnings.warn(f"random directions: compiling the Philox kernel failed ({type(e).__name__}); "
                               f"Gaussian directions come from torch's generator instead (slower)",
@@ -114,10 +116,10 @@ def _kernel(device: torch.device):
         return _kernels[kind]
 
 
-def _key(seed: int, start: int, device) -> tuple[torch.Tensor, ...]:
-    """A 64-bit seed as Philox's two key words, and the chunk's first element (tensors: one
+def _key(seed: int, start: int, device) -> torch.Tensor:
+    """A 64-bit seed as Philox's two key words, and the chunk's first element (a tensor: one
     compiled kernel serves every key and chunk)."""
-    return tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (seed & _MASK, (seed >> 32) & _MASK, start))
+    return torch.tensor([seed & _MASK, (seed >> 32) & _MASK, start], dtype=torch.int64, device=device)
 
 
 def takes(chunk: torch.Tensor) -> bool:
@@ -131,5 +133,10 @@ def add_(chunk: torch.Tensor, seed: int, scale: float, start: int = 0) -> None:
     the chunk is cut from (a multiple of 4; a contiguous chunk that the kernel ``takes``)."""
     if start % 4 or not takes(chunk):
         raise ValueError(f"not a chunk for the Philox kernel: {chunk.numel()} {chunk.dtype} elements from {start}")
-    with torch.no_grad(), _room():
-        _kernel(chunk.device)(chunk.view(-1), *_key(seed, start, chunk.device), torch.tensor(scale, dtype=torch.float64))
+    args = chunk.view(-1), _key(seed, start, chunk.device), torch.tensor(scale, dtype=torch.float64)
+    with torch.no_grad():
+        try:
+            _kernel(chunk.device)(*args)
+        except _LIMIT_HIT:  # a new thread count past dynamo's default number of kernels
+            with _room():
+                _kernel(chunk.device)(*args)
