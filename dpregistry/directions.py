@@ -112,7 +112,9 @@ class Direction:
 
     def _seed(self, tensor_index: int, chunk_index: int | None = None) -> int:
         """A chunk's generator seed; Philox takes one key per tensor (None) and counts its elements."""
-        return derive("dpregistry-direction", self.seed, tensor_index, *(() if chunk_index is None else (chunk_index,)))
+        if chunk_index is None:
+            return derive("dpregistry-direction", self.seed, tensor_index)
+        return derive("dpregistry-direction", self.seed, tensor_index, chunk_index)
 
     def _philox(self, chunk: torch.Tensor) -> bool:
         """Whether the chunk's z comes from the compiled Philox kernel (Gaussian and sphere

@@ -7,10 +7,10 @@ cost 0.19 of a forward pass on OPT-125m. Here u comes from a counter-based gener
 Philox4x32-10 (Salmon, Moraes, Dror & Shaw, SC 2011; the generator of cuRAND and JAX), and
 ``torch.compile`` fuses its ten rounds, the Box–Muller transform and ``p += s·u`` into one
 vectorised, multi-threaded loop: no u is ever written to memory, and each element depends only on
-its key, its chunk and its place in the chunk, never on the number of threads. CPUs only: the rounds multiply 32-bit words
-into 64-bit products, which a GPU emulates, so on an H100 the fused kernel took 22.7 ps an element
-against torch's own generator's 4.4 (an OPT-6.7B sweep 8.3 forward passes against 1.18);
-accelerators keep that generator (:mod:`dpregistry.directions`).
+its key, its chunk and its place in the chunk, never on the number of threads. CPUs only: the
+rounds multiply 32-bit words into 64-bit products, which a GPU emulates, so on an H100 the fused
+kernel took 22.7 ps an element against torch's own generator's 4.4 (an OPT-6.7B sweep 8.3 forward
+passes against 1.18); accelerators keep that generator (:mod:`dpregistry.directions`).
 
 A chunk of n elements that starts at element ``start`` of its tensor (keyed per tensor) reads the
 q = ⌈n/4⌉ counters start/4 … start/4 + q − 1, so no two chunks of a tensor share one; counter c's
@@ -19,7 +19,8 @@ words (w0, w1, w2, w3) give, as pairs (w0, w1) and (w2, w3), the chunk's element
 it ran 1.4 × slower), those ≥ n dropped. A pair (a, b) gives ρ·cos θ and ρ·sin θ with
 ρ = √(−2 ln v), v = ((a >> 8) + 1)/2²⁴ ∈ (0, 1], and θ = 2π·(b >> 8)/2²⁴, in float32, as torch's
 own CPU sampler does (so |u_i| ≤ √(2 ln 2²⁴) = 5.77, a truncation of probability 2·10⁻⁹ a draw).
-Chunks below MIN_CHUNK elements, and of another dtype, take torch's generator (:mod:`dpregistry.directions`).
+Chunks below MIN_CHUNK elements, and of another dtype, take torch's generator
+(:mod:`dpregistry.directions`).
 
 The compiled loop and the same ops run uncompiled round ``log``/``cos`` differently in the last
 bit, so a process settles once, per device type, which it uses: where compiling fails (no C++
@@ -43,10 +44,10 @@ _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # its Weyl key increments
 ROUNDS = 10
 
 
-def philox(c: list[torch.Tensor], k0: torch.Tensor, k1: torch.Tensor, rounds: int = ROUNDS) -> list[torch.Tensor]:
-    """Philox4x32 on four counter words (int64 tensors holding uint32 values) under key (k0, k1)."""
+def philox(c: list[torch.Tensor], k0: torch.Tensor, k1: torch.Tensor) -> list[torch.Tensor]:
+    """Philox4x32-10 on four counter words (int64 tensors holding uint32 values) under key (k0, k1)."""
     c0, c1, c2, c3 = c
-    for r in range(rounds):
+    for r in range(ROUNDS):
         if r:
             k0, k1 = (k0 + _W0) & _MASK, (k1 + _W1) & _MASK
         p0, p1 = c0 * _M0, c2 * _M1  # < 2⁶⁴: the int64 product wraps, its 64 bits are exact
@@ -100,6 +101,8 @@ def _kernel(device: torch.device):
     kind = device.type
     if kind not in _COMPILES_ON or getattr(torch._dynamo.config, "disable", False):  # TORCH_COMPILE_DISABLE
         return None
+    if kind in _kernels:  # settled: every chunk asks, so no lock once the answer is in
+        return _kernels[kind]
     with _lock:
         if kind not in _kernels:
             say("random directions: compiling the Gaussian kernel, once per process (a few seconds)")
