@@ -12,6 +12,7 @@ import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from conftest import make_run, write_recipe
+from fake_compile import FakeCompile
 from dpregistry.folder import resume_run
 from dpregistry.errors import UserError
 from dpregistry.privacy import chacha, secret
@@ -380,24 +381,6 @@ def test_successive_device_draws_continue_the_stream_in_whole_chunks(small_chunk
     assert torch.equal(first, one_call[:n + 3]) and torch.equal(second, one_call[2 * n:2 * n + 7])
 
 
-class _FakeCompile:
-    """torch.compile for a device that compiles: the kernel is the eager chunk; it fails on the
-    calls listed in ``fail`` (0 is the first), as a compile error or a later runtime error would."""
-
-    def __init__(self, fail=()):
-        self.fail, self.calls, self.options = set(fail), 0, None
-
-    def __call__(self, fn, **kwargs):
-        self.options = kwargs.get("options")
-
-        def kernel(*args):
-            self.calls += 1
-            if self.calls - 1 in self.fail:
-                raise RuntimeError("CUDA out of memory")
-            return fn(*args)
-        return kernel
-
-
 @pytest.fixture
 def compiling_cpu(monkeypatch, small_chunks):
     """Chunks on the CPU take the compiled path (CI has no GPU), with a fresh kernel cache."""
@@ -409,7 +392,7 @@ def test_a_kernel_that_has_run_raises_its_later_errors_instead_of_switching_path
     """Once a device's compiled kernel has drawn a chunk, an error (out of memory, a failed
     recompile) propagates: answering it with the uncompiled ops would change the rounding in the
     middle of a run (a keyed run would no longer replay bit for bit, ranks would disagree)."""
-    fake = _FakeCompile(fail={1})
+    fake = FakeCompile(fail={1})
     monkeypatch.setattr(torch, "compile", fake)
     key = chacha.key_words(secret.new_key(), "cpu")
     assert torch.equal(chacha.gaussian_chunk(key, torch.tensor(0)), chacha._chunk(key, torch.tensor(0)))
@@ -426,7 +409,7 @@ def test_the_user_hears_of_the_compile_once_before_it_starts(monkeypatch, compil
     from dpregistry import progress
 
     heard = []
-    fake = _FakeCompile()
+    fake = FakeCompile()
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fake(lambda *a: (heard.append("ran"), fn(*a))[1], **kw))
     key = chacha.key_words(secret.new_key(), "cpu")
     with progress.saying(heard.append):
@@ -437,7 +420,7 @@ def test_the_user_hears_of_the_compile_once_before_it_starts(monkeypatch, compil
 
 
 def test_a_failed_compile_warns_once_and_draws_uncompiled(monkeypatch, compiling_cpu):
-    fake = _FakeCompile(fail={0})
+    fake = FakeCompile(fail={0})
     monkeypatch.setattr(torch, "compile", fake)
     raw = secret.new_key()
     key = chacha.key_words(raw, "cpu")

@@ -14,6 +14,7 @@ import torch
 from dpregistry import philox, progress
 from dpregistry.directions import Direction
 from dpregistry.rng import derive
+from fake_compile import FakeCompile
 
 # Random123's kat_vectors (counter words, key words -> output words), "philox4x32 10" lines
 KNOWN_ANSWERS = [
@@ -125,22 +126,11 @@ def test_a_process_that_changes_its_thread_count_keeps_the_kernel():
         torch.set_num_threads(before)
 
 
-class _FailingCompile:
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, fn, **kwargs):
-        def kernel(*args):
-            self.calls += 1
-            raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
-        return kernel
-
-
 def test_without_a_compiler_directions_come_from_torchs_generator_with_one_warning(monkeypatch):
     """Where torch.compile fails (no C++ compiler), the process settles on torch's generator, as
     before this kernel existed, says so once, and never tries again (a path switched in the middle
     of a run would change u between the sweeps of one step)."""
-    fake = _FailingCompile()
+    fake = FakeCompile(fail={0})  # the first call compiles, and fails
     monkeypatch.setattr(torch, "compile", fake)
     monkeypatch.setattr(philox, "_kernels", {})
     d, n = Direction(seed=9), philox.MIN_CHUNK
