@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -35,20 +34,15 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fresh_process import reset_peak_rss, status_kib  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SENTENCES = ["a gripping , beautifully made film that never lets go", "dull and lifeless from start to finish",
              "it never finds its footing and the jokes fall flat", "a wonderful , moving story of friendship",
              "the plot is thin but the performances are terrific", "one of the most charming films of the year"]
-
-
-def _kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 def _data_dir(args) -> str:
@@ -93,10 +87,10 @@ def child(args) -> dict:
     if args.measure == "dpzero" and not cuda:  # the compiled direction kernel: Inductor, loaded once a process
         from dpregistry import philox
 
-        before = _kib("VmRSS")
+        before = status_kib("VmRSS")
         philox.takes(torch.zeros(philox.MIN_CHUNK, device=args.device))
-        runtime = (_kib("VmRSS") - before) * 1024
-    base = _kib("VmRSS")
+        runtime = (status_kib("VmRSS") - before) * 1024
+    base = status_kib("VmRSS")
     algorithm = "dp_adam" if args.measure == "dp_adam" else "dpzero"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "r.yaml"
@@ -116,7 +110,7 @@ def child(args) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    _reset_peak()
+    reset_peak_rss()
     fwd_times = []
     for _ in range(args.repeats):
         for fn, out in ((op, times), (forward, fwd_times)):
@@ -127,7 +121,7 @@ def child(args) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             out.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if cuda else (_kib("VmHWM") - base) * 1024
+    peak = torch.cuda.max_memory_allocated() if cuda else (status_kib("VmHWM") - base) * 1024
     sweep = None
     if args.measure == "dpzero":  # one parameter sweep alone (x += 0·u: regenerates u, changes nothing)
         from dpregistry.directions import Direction

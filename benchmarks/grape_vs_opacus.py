@@ -55,13 +55,15 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fresh_process import reset_peak_rss, status_kib  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("adam", "adam_noise", "dp_adam", "dp_adam_2p", "dp_adam_pl", "dp_grape", "dp_grape_e", "opacus_ghost", "opacus_hooks",
@@ -278,10 +280,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
 # -- the two kinds of child process ---------------------------------------------------------------
 
 
@@ -293,15 +291,15 @@ def memory_child(method: str, model: str, B: int, device: str) -> dict:
     torch.set_num_threads(int(os.environ.get("GRAPE_BENCH_THREADS", "2")))
     import_libraries(method)
     cuda = device != "cpu"
-    base = _kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current RSS
+    base = status_kib("VmRSS")
+    reset_peak_rss()
     step, d = make_step(method, model, B, device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     step()
     step()
     _sync(device)
-    peak = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else (_kib("VmHWM") - base) / 1024
+    peak = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else (status_kib("VmHWM") - base) / 1024
     return {"method": method, "model": model, "batch": B, "peak_mib": peak, "params": d}
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grape_vs_opacus as bench  # noqa: E402
+from fresh_process import reset_peak_rss, status_kib  # noqa: E402
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -48,8 +49,8 @@ def child(method: str, model: str, B: int) -> dict:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(int(os.environ.get("GRAPE_BENCH_THREADS", "2")))
     bench.import_libraries(method)
-    base = bench._kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current RSS
+    base = status_kib("VmRSS")
+    reset_peak_rss()
     forward = []
     if method != "adam_ckpt" and not method.startswith("opacus"):
         from dpregistry.persample import GradSampler
@@ -57,7 +58,7 @@ def child(method: str, model: str, B: int) -> dict:
         contribution = GradSampler.contribution
 
         def after_forward(self, *args, **kwargs):  # the step's forward is done; its backward waits
-            forward.append((bench._kib("VmRSS") - base) / 1024)
+            forward.append((status_kib("VmRSS") - base) / 1024)
             return contribution(self, *args, **kwargs)
 
         GradSampler.contribution = after_forward
@@ -66,7 +67,7 @@ def child(method: str, model: str, B: int) -> dict:
     step()
     step()
     used, free = heap_mib()
-    return {"method": method, "batch": B, "peak_mib": (bench._kib("VmHWM") - base) / 1024,
+    return {"method": method, "batch": B, "peak_mib": (status_kib("VmHWM") - base) / 1024,
             "forward_mib": forward[setup] if len(forward) > setup else None, "heap_used_mib": used,
             "heap_free_mib": free}
 
