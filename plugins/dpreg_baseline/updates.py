@@ -76,6 +76,11 @@ class AdamParams(StageParams):
                                         "here, so √γ' is the smallest denominator; it takes eps's place (eps is "
                                         "unused with noise_correction)")
 
+    average: float | None = Field(
+        default=None, gt=0, lt=1, description="output the exponential moving average of the iterates with this "
+                                              "decay (bias-corrected: the starting point has no weight) in place of "
+                                              "the last iterate (post-processing, so the privacy is unchanged)")
+
     @model_validator(mode="after")
     def _floor_needs_the_correction(self):
         if self.variance_floor is not None and not self.noise_correction:
@@ -102,6 +107,11 @@ class Adam(UpdateRule):
     with γ' = ``variance_floor`` (1e-8) in place of eps, and Φ̄ the same moving average of the releases'
     Φ as v's (Φ itself when the noise is constant). Φ is read from each release's
     ``stats["noise_std"]``: only the privatizer knows it.
+
+    ``average``: the run outputs (scores, writes) x̄_t = Σ_i (1−β)β^(t−i)·x_i / (1−β^t), the iterates'
+    exponential moving average, in place of x_t (De, Berrada, Hayes, Smith & Balle 2022 average
+    DP-SGD's iterates the same way: the privacy noise of the last steps partly cancels). The steps
+    are unchanged, and so are held-out metrics during the run, which score the iterate.
     """
 
     name = "adam"
@@ -115,6 +125,7 @@ class Adam(UpdateRule):
         m: dict[str, torch.Tensor] = field(default_factory=dict)  # first moments, by parameter
         v: dict[str, torch.Tensor] = field(default_factory=dict)  # second moments
         noise_var: float = 0.0  # v's moving average of the noise variance Φ (noise_correction)
+        average: dict[str, torch.Tensor] = field(default_factory=dict)  # the iterates' moving average
 
     def __init__(self, params=None):
         super().__init__(params)
@@ -152,6 +163,16 @@ class Adam(UpdateRule):
                 sub_ratio_(x, s.m[k], s.v[k], self.cfg.eps, step_size(lr, self.cfg.betas, s.t))
             else:
                 sub_ratio_(x, s.m[k], s.v[k], 0.0, lr / (1 - b1 ** s.t), noise)
+            if self.cfg.average is not None:
+                avg = s.average.setdefault(k, torch.zeros_like(x, dtype=acc_dtype(x.dtype)))
+                avg.lerp_(x.to(avg.dtype), 1 - self.cfg.average)
+
+    def output(self, params, ctx):
+        """The iterates' moving average (``average``), divided by its total weight 1 − β^t."""
+        if self.cfg.average is None or not self.state.t:
+            return None
+        weight = 1 - self.cfg.average ** self.state.t
+        return {k: (a / weight).to(params[k].dtype) for k, a in self.state.average.items()}
 
     @staticmethod
     def _noise_variance(release) -> float:
