@@ -1,4 +1,4 @@
-"""Adam's ``average``: the run outputs the iterates' exponential moving average (post-processing).
+"""``average`` of ``adam`` and ``sgd``: the run outputs the iterates' exponential moving average (post-processing).
 Checked against the weighted mean written out, for privacy (the same ledger and noise as without
 it), through a crash and a resume, and in the model a run writes."""
 
@@ -12,15 +12,16 @@ import dpregistry
 from dpregistry.context import Context
 from dpregistry.spaces import DenseAggregate
 from dpregistry.stages import Release
-from dpreg_baseline.updates import Adam
+from dpreg_baseline.updates import SGD, Adam
 
 
-def test_the_output_is_the_bias_corrected_moving_average_of_the_iterates_and_the_iterate_is_untouched():
+@pytest.mark.parametrize("rule", [Adam, SGD])
+def test_the_output_is_the_bias_corrected_moving_average_of_the_iterates_and_the_iterate_is_untouched(rule):
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(4, 3, generator=g, dtype=torch.float64)}
     plain = {"w": params["w"].clone()}
     beta, steps = 0.7, 6
-    with_avg, without = Adam(Adam.Params(lr=0.05, average=beta)), Adam(Adam.Params(lr=0.05))
+    with_avg, without = rule(rule.Params(lr=0.05, average=beta)), rule(rule.Params(lr=0.05))
     ctx, ctx_plain = Context.detached(params), Context.detached(plain)
     with_avg.setup(ctx), without.setup(ctx_plain)
     assert with_avg.output(params, ctx) is None  # no step taken: the iterate is the output
@@ -37,10 +38,11 @@ def test_the_output_is_the_bias_corrected_moving_average_of_the_iterates_and_the
     assert without.output(plain, ctx_plain) is None
 
 
-def test_a_decay_outside_zero_to_one_is_refused():
+@pytest.mark.parametrize("rule", [Adam, SGD])
+def test_a_decay_outside_zero_to_one_is_refused(rule):
     for bad in (0.0, 1.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="average"):
-            Adam.Params(lr=1e-2, average=bad)
+            rule.Params(lr=1e-2, average=bad)
 
 
 SMALL = ["privacy.noise=reproducible", "train.steps=6", "train.eval_every=null", "train.checkpoint_every=null",

@@ -14,14 +14,43 @@ from dpregistry.moments import step_size, sub_ratio_, update_moments_
 from dpregistry.spaces import DENSE, PROJECTED, SEEDED_DIRECTION, acc_dtype
 
 
-class SGDParams(StageParams):
+class AveragingParams(StageParams):
+    average: float | None = Field(
+        default=None, gt=0, lt=1, description="output the exponential moving average of the iterates with this "
+                                              "decay (bias-corrected: the starting point has no weight) in place of "
+                                              "the last iterate (post-processing, so the privacy is unchanged)")
+
+
+class AveragesIterates:
+    """``average: β``: the run outputs (scores, writes) x̄_t = Σ_i (1−β)β^(t−i)·x_i / (1−β^t), the
+    iterates' exponential moving average, in place of x_t (De, Berrada, Hayes, Smith & Balle 2022
+    average DP-SGD's iterates the same way: the privacy noise of the last steps partly cancels).
+    The steps are unchanged, and so are held-out metrics during the run, which score the iterate.
+    The rule's State has ``t`` (steps taken) and ``average`` (Σ without the division)."""
+
+    def _average_(self, params) -> None:
+        if self.cfg.average is None:
+            return
+        for k, x in params.items():
+            avg = self.state.average.setdefault(k, torch.zeros_like(x, dtype=acc_dtype(x.dtype)))
+            avg.lerp_(x.to(avg.dtype), 1 - self.cfg.average)
+
+    def output(self, params, ctx):
+        if self.cfg.average is None or not self.state.t:
+            return None
+        weight = 1 - self.cfg.average ** self.state.t
+        return {k: (a / weight).to(params[k].dtype) for k, a in self.state.average.items()}
+
+
+class SGDParams(AveragingParams):
     lr: float = Field(gt=0)
     momentum: float = Field(default=0.0, ge=0, lt=1)
     weight_decay: float = Field(default=0.0, ge=0)
 
 
-class SGD(UpdateRule):
-    """x ← x − lr·(ĝ + wd·x), with optional heavy-ball momentum. Lifts any space to dense."""
+class SGD(AveragesIterates, UpdateRule):
+    """x ← x − lr·(ĝ + wd·x), with optional heavy-ball momentum. Lifts any space to dense.
+    ``average``: see :class:`AveragesIterates`."""
 
     name = "sgd"
     accepts = frozenset({DENSE})
@@ -31,6 +60,8 @@ class SGD(UpdateRule):
     @dataclass
     class State:
         buf: dict[str, torch.Tensor] = field(default_factory=dict)  # momentum, by parameter
+        t: int = 0
+        average: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @torch.no_grad()
     def apply(self, params, release, ctx):
@@ -47,9 +78,11 @@ class SGD(UpdateRule):
                 self.state.buf[k] = b
                 g = b
             x.sub_((p.lr * g).to(x.dtype))
+        self.state.t += 1
+        self._average_(params)
 
 
-class AdamParams(StageParams):
+class AdamParams(AveragingParams):
     lr: float = Field(gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(default=1e-8, gt=0)
@@ -76,11 +109,6 @@ class AdamParams(StageParams):
                                         "here, so √γ' is the smallest denominator; it takes eps's place (eps is "
                                         "unused with noise_correction)")
 
-    average: float | None = Field(
-        default=None, gt=0, lt=1, description="output the exponential moving average of the iterates with this "
-                                              "decay (bias-corrected: the starting point has no weight) in place of "
-                                              "the last iterate (post-processing, so the privacy is unchanged)")
-
     @model_validator(mode="after")
     def _floor_needs_the_correction(self):
         if self.variance_floor is not None and not self.noise_correction:
@@ -95,7 +123,7 @@ class AdamParams(StageParams):
         return self.lr * next((f for pattern, f in self.lr_scale.items() if re.search(pattern, name)), 1.0)
 
 
-class Adam(UpdateRule):
+class Adam(AveragesIterates, UpdateRule):
     """Adam in the form of DP-GRAPE Alg. 3: α_t = lr·√(1−β2^t)/(1−β1^t), x ← x − α_t·m/(√v + eps).
 
     (eps sits on √v without bias correction; it equals torch's eps·√(1−β2^t).) Lifts any space.
@@ -108,10 +136,7 @@ class Adam(UpdateRule):
     Φ as v's (Φ itself when the noise is constant). Φ is read from each release's
     ``stats["noise_std"]``: only the privatizer knows it.
 
-    ``average``: the run outputs (scores, writes) x̄_t = Σ_i (1−β)β^(t−i)·x_i / (1−β^t), the iterates'
-    exponential moving average, in place of x_t (De, Berrada, Hayes, Smith & Balle 2022 average
-    DP-SGD's iterates the same way: the privacy noise of the last steps partly cancels). The steps
-    are unchanged, and so are held-out metrics during the run, which score the iterate.
+    ``average``: see :class:`AveragesIterates`.
     """
 
     name = "adam"
@@ -163,16 +188,7 @@ class Adam(UpdateRule):
                 sub_ratio_(x, s.m[k], s.v[k], self.cfg.eps, step_size(lr, self.cfg.betas, s.t))
             else:
                 sub_ratio_(x, s.m[k], s.v[k], 0.0, lr / (1 - b1 ** s.t), noise)
-            if self.cfg.average is not None:
-                avg = s.average.setdefault(k, torch.zeros_like(x, dtype=acc_dtype(x.dtype)))
-                avg.lerp_(x.to(avg.dtype), 1 - self.cfg.average)
-
-    def output(self, params, ctx):
-        """The iterates' moving average (``average``), divided by its total weight 1 − β^t."""
-        if self.cfg.average is None or not self.state.t:
-            return None
-        weight = 1 - self.cfg.average ** self.state.t
-        return {k: (a / weight).to(params[k].dtype) for k, a in self.state.average.items()}
+        self._average_(params)
 
     @staticmethod
     def _noise_variance(release) -> float:
