@@ -106,7 +106,7 @@ def test_extends_replaces_a_section_that_names_another_stage(recipe_file):
     recipe_file(BASE, "base.yaml")
     child = recipe_file("extends: base.yaml\nupdate: {name: sgd, lr: 0.5}\n", "child.yaml")
     r = load(child)
-    assert r.data["update"] == {"name": "sgd", "lr": 0.5, "momentum": 0.0, "weight_decay": 0.0}
+    assert r.data["update"] == {"name": "sgd", "lr": 0.5, "momentum": 0.0, "weight_decay": 0.0, "average": None}
 
 
 def test_extends_cycle_is_reported(recipe_file):
