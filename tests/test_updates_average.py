@@ -79,3 +79,25 @@ def test_a_resumed_averaging_run_is_the_straight_run_bit_for_bit(tmp_path):
     for k in straight.params:
         assert torch.equal(straight.params[k], resumed.params[k])
         assert torch.equal(straight.update_rule.state.average[k], resumed.update_rule.state.average[k])
+
+
+@pytest.mark.parametrize("algorithm,update", [("dp_sgd", {"lr": 0.1}), ("dp_adam", {"lr": 3e-3}),
+                                               ("dp_grape", {"lr": 3e-3})], ids=["sgd", "adam", "projected_adam"])
+def test_every_averaging_rule_outputs_the_moving_average_of_the_iterates_it_took(algorithm, update, tmp_path):
+    """End to end, for each rule that offers ``average``: the iterates seen after every step of a
+    run, averaged independently in float64, are the parameters the run outputs."""
+    from conftest import make_run
+    from test_grape import digits
+
+    beta, steps = 0.75, 5
+    extra = {"estimator": {"rank": 8}} if algorithm == "dp_grape" else {}
+    run = make_run(digits(algorithm, steps, update={**update, "average": beta}, **extra), tmp_path)
+    iterates = []
+    out = run.train(progress=lambda r, metrics: iterates.append({k: v.detach().double().clone()
+                                                                 for k, v in r.params.items()}))
+    assert len(iterates) == steps and out["step"] == steps
+    weights = [(1 - beta) * beta ** (steps - i) for i in range(1, steps + 1)]
+    for k, x in run.output_params().items():
+        want = sum(w * it[k] for w, it in zip(weights, iterates)) / sum(weights)
+        torch.testing.assert_close(x.double(), want, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(x, iterates[-1][k].to(x.dtype))

@@ -10,36 +10,9 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from dpregistry import NoiseStd, StageParams, UpdateRule, UserError
+from dpregistry.averaging import AverageState, AveragesIterates, AveragingParams
 from dpregistry.moments import step_size, sub_ratio_, update_moments_
 from dpregistry.spaces import DENSE, PROJECTED, SEEDED_DIRECTION, acc_dtype
-
-
-class AveragingParams(StageParams):
-    average: float | None = Field(
-        default=None, gt=0, lt=1, description="output the exponential moving average of the iterates with this "
-                                              "decay (bias-corrected: the starting point has no weight) in place of "
-                                              "the last iterate (post-processing, so the privacy is unchanged)")
-
-
-class AveragesIterates:
-    """``average: β``: the run outputs (scores, writes) x̄_t = Σ_i (1−β)β^(t−i)·x_i / (1−β^t), the
-    iterates' exponential moving average, in place of x_t (De, Berrada, Hayes, Smith & Balle 2022
-    average DP-SGD's iterates the same way: the privacy noise of the last steps partly cancels).
-    The steps are unchanged, and so are held-out metrics during the run, which score the iterate.
-    The rule's State has ``t`` (steps taken) and ``average`` (Σ without the division)."""
-
-    def _average_(self, params) -> None:
-        if self.cfg.average is None:
-            return
-        for k, x in params.items():
-            avg = self.state.average.setdefault(k, torch.zeros_like(x, dtype=acc_dtype(x.dtype)))
-            avg.lerp_(x.to(avg.dtype), 1 - self.cfg.average)
-
-    def output(self, params, ctx):
-        if self.cfg.average is None or not self.state.t:
-            return None
-        weight = 1 - self.cfg.average ** self.state.t
-        return {k: (a / weight).to(params[k].dtype) for k, a in self.state.average.items()}
 
 
 class SGDParams(AveragingParams):
@@ -50,7 +23,7 @@ class SGDParams(AveragingParams):
 
 class SGD(AveragesIterates, UpdateRule):
     """x ← x − lr·(ĝ + wd·x), with optional heavy-ball momentum. Lifts any space to dense.
-    ``average``: see :class:`AveragesIterates`."""
+    ``average``: :mod:`dpregistry.averaging`."""
 
     name = "sgd"
     accepts = frozenset({DENSE})
@@ -58,10 +31,8 @@ class SGD(AveragesIterates, UpdateRule):
     Params = SGDParams
 
     @dataclass
-    class State:
+    class State(AverageState):
         buf: dict[str, torch.Tensor] = field(default_factory=dict)  # momentum, by parameter
-        t: int = 0
-        average: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @torch.no_grad()
     def apply(self, params, release, ctx):
@@ -78,7 +49,6 @@ class SGD(AveragesIterates, UpdateRule):
                 self.state.buf[k] = b
                 g = b
             x.sub_((p.lr * g).to(x.dtype))
-        self.state.t += 1
         self._average_(params)
 
 
@@ -136,7 +106,7 @@ class Adam(AveragesIterates, UpdateRule):
     Φ as v's (Φ itself when the noise is constant). Φ is read from each release's
     ``stats["noise_std"]``: only the privatizer knows it.
 
-    ``average``: see :class:`AveragesIterates`.
+    ``average``: :mod:`dpregistry.averaging`.
     """
 
     name = "adam"
@@ -145,12 +115,11 @@ class Adam(AveragesIterates, UpdateRule):
     Params = AdamParams
 
     @dataclass
-    class State:
+    class State(AverageState):
         t: int = 0
         m: dict[str, torch.Tensor] = field(default_factory=dict)  # first moments, by parameter
         v: dict[str, torch.Tensor] = field(default_factory=dict)  # second moments
         noise_var: float = 0.0  # v's moving average of the noise variance Φ (noise_correction)
-        average: dict[str, torch.Tensor] = field(default_factory=dict)  # the iterates' moving average
 
     def __init__(self, params=None):
         super().__init__(params)

@@ -14,6 +14,7 @@ import torch
 from pydantic import Field
 
 from dpregistry import StageParams, UpdateRule, UserError
+from dpregistry.averaging import AverageState, AveragesIterates, AveragingParams
 from dpregistry.moments import ratio, step_size, sub_ratio_, update_moments_
 from dpregistry.spaces import DENSE, PROJECTED, ProjectedAggregate, acc_dtype
 
@@ -66,7 +67,7 @@ def _released(params, release):
         yield k, x, release.value.tensors[k].to(acc_dtype(x.dtype)), projectors.get(k)
 
 
-class ProjectedAdamParams(StageParams):
+class ProjectedAdamParams(AveragingParams):
     lr: float = Field(gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(default=1e-8, gt=0, description="φ, on √V (no bias correction; spec §1.3)")
@@ -74,11 +75,13 @@ class ProjectedAdamParams(StageParams):
         default="keep", description="at a projector refresh: keep M, V in the new basis (paper) or zero them")
 
 
-class ProjectedAdam(UpdateRule):
+class ProjectedAdam(AveragesIterates, UpdateRule):
     """Adam with moments in the r-dimensional space (DP-GRAPE Alg. 2); Adam on unprojected tensors.
 
     W ← W − α_t·P·(M/(√V+φ)) (left) or W − α_t·(M/(√V+φ))·Pᵀ (right); P is regenerated from the
     seed that the release carries, i.e. the one the estimator projected with at this step.
+    ``average``: :mod:`dpregistry.averaging` (a full-size copy of every trainable weight, which
+    DP-GRAPE otherwise avoids holding beside the weights).
     """
 
     name = "projected_adam"
@@ -86,7 +89,7 @@ class ProjectedAdam(UpdateRule):
     Params = ProjectedAdamParams
 
     @dataclass
-    class State(AdamMoments):
+    class State(AdamMoments, AverageState):
         seen: dict[str, int] = field(default_factory=dict)  # the projector seed each tensor's moments were built in
 
     @torch.no_grad()
@@ -103,6 +106,7 @@ class ProjectedAdam(UpdateRule):
                 pr.sub_back_(x, step, alpha)
             else:
                 s.step_(k, x, g, c.lr, c.betas, c.eps)
+        self._average_(params)
 
 
 class ProjectedSGDParams(StageParams):
