@@ -121,6 +121,10 @@ class Direction:
         directions; see ``philox.takes``)."""
         return self.distribution != "rademacher" and philox.takes(chunk)
 
+    def _philox_add_(self, tensor_index: int, chunk_index: int, chunk: torch.Tensor, scale: float) -> None:
+        """chunk += scale·z from the Philox kernel, under the tensor's key, counted from the chunk's first element."""
+        philox.add_(chunk, self._seed(tensor_index), scale, chunk_index * chunk_size(chunk.device))
+
     def _pooled(self, tensors: list[torch.Tensor]) -> bool:
         """Chunks go to the thread pool unless the Philox kernel draws any (it uses every thread)."""
         return not any(self._philox(c) for t in tensors for c in _chunks(t))
@@ -129,7 +133,7 @@ class Direction:
         """This chunk's z, in a scratch buffer of the calling thread (valid until its next draw)."""
         out = _buffer(like.dtype, like.device)[:like.numel()].view(like.shape)
         if self._philox(like):
-            philox.add_(out.zero_(), self._seed(tensor_index), 1.0, chunk_index * chunk_size(like.device))
+            self._philox_add_(tensor_index, chunk_index, out.zero_(), 1.0)
             return out
         g = torch.Generator(device=like.device)
         g.manual_seed(self._seed(tensor_index, chunk_index))
@@ -159,7 +163,7 @@ class Direction:
 
         def sweep(i, j, c):
             if self._philox(c):  # u is drawn inside the loop that adds it: never written to memory
-                philox.add_(c, self._seed(i), s, j * chunk_size(c.device))
+                self._philox_add_(i, j, c, s)
             else:
                 c.add_(self._draw(i, j, c), alpha=s)
 

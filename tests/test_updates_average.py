@@ -13,6 +13,7 @@ from dpregistry.context import Context
 from dpregistry.spaces import DenseAggregate
 from dpregistry.stages import Release
 from dpreg_baseline.updates import SGD, Adam
+from test_updates_adam_noise_correction import SMALL  # a six-step quickstart
 
 
 @pytest.mark.parametrize("rule", [Adam, SGD])
@@ -43,10 +44,6 @@ def test_a_decay_outside_zero_to_one_is_refused(rule):
     for bad in (0.0, 1.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="average"):
             rule.Params(lr=1e-2, average=bad)
-
-
-SMALL = ["privacy.noise=reproducible", "train.steps=6", "train.eval_every=null", "train.checkpoint_every=null",
-         "sampler.batch_size=64", "objective.model.hidden=[16]"]
 
 
 def test_the_privacy_is_unchanged_and_the_written_model_is_the_average(tmp_path):
