@@ -36,3 +36,26 @@ def status_kib(field: str) -> int:
 def reset_peak_rss() -> None:
     """VmHWM := the current RSS (Linux ≥ 4.0)."""
     Path("/proc/self/clear_refs").write_text("5")
+
+
+def import_dpregistry() -> None:
+    """Import dpregistry, every module of it and of every installed plugin package, and what its
+    data path loads lazily, so that a measurement whose baseline is taken afterwards does not count
+    library code that a run imports on its way."""
+    import encodings.utf_8_sig  # noqa: F401  (the data files' codec)
+    import importlib
+    import pkgutil
+    from importlib.metadata import entry_points
+
+    import datasets  # noqa: F401
+    import scipy.io  # noqa: F401  (loaded lazily while a run's data is prepared)
+
+    import dpregistry
+    from dpregistry.registry import ENTRY_POINT_GROUP
+
+    packages = [dpregistry] + [importlib.import_module(ep.module.split(".")[0])
+                               for ep in entry_points(group=ENTRY_POINT_GROUP)]
+    for package in packages:
+        for m in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}."):
+            if not m.name.endswith(".__main__"):  # importing it would run the CLI
+                importlib.import_module(m.name)

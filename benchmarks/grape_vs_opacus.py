@@ -34,10 +34,13 @@ the shared machine's load hits all of them alike. A ratio is taken within each r
 steps a few seconds apart) and min / median / max over the rounds are printed.
 
 Memory: each (method, batch) runs in a fresh process. After the method's libraries are imported
-the process resets the kernel's peak-RSS counter (``/proc/self/clear_refs``), builds the model,
-takes two steps (Adam's state exists from the first update) and reads VmHWM: peak = VmHWM − the
-RSS after the imports, i.e. model, optimizer state, activations and per-example buffers. On a GPU
-(``--device cuda``): torch.cuda.max_memory_allocated.
+(``import_libraries``: transformers' model code too, which loads at first use) the process resets
+the kernel's peak-RSS counter (``/proc/self/clear_refs``), builds the model, takes two steps
+(Adam's state exists from the first update) and reads VmHWM: peak = VmHWM − the RSS after the
+imports, i.e. model, optimizer state, activations, per-example buffers and what glibc's heap keeps
+of freed memory (run with ``MALLOC_MMAP_THRESHOLD_=1048576`` to give it back: the children inherit
+the environment, and the report's header names the setting). On a GPU (``--device cuda``):
+torch.cuda.max_memory_allocated.
 
 Largest batch in a memory budget: the largest batch of the sweep whose measured peak fits, then
 (``--search N``) N bisection steps between it and the first batch that did not fit, each one more
@@ -110,21 +113,37 @@ def verdict(value: float, target: float) -> str:
 
 def import_libraries(method: str) -> None:
     """Import what ``method`` runs on before the baseline RSS is taken, so its peak counts what the
-    method allocates, not library code."""
+    method allocates, not library code (``tests/test_benchmark_memory_window.py`` checks that
+    building and stepping ``method`` afterwards imports nothing)."""
     import torch  # noqa: F401
-    import transformers  # noqa: F401
+    import transformers
+
+    # transformers imports a model's code at its first use: left to the build, that import (84 MiB
+    # for OPT, more than ViT-small's weights) would be charged to whichever method built first
+    transformers.ViTForImageClassification, transformers.RobertaModel  # noqa: B018
+    try:
+        import torch.profiler._cupti_monitor  # noqa: F401  (an optimizer's first step imports it)
+    except ImportError:  # another torch
+        pass
 
     if method.startswith("opacus"):
         import opacus  # noqa: F401
-    elif method != "adam":
-        import dpreg_accounting.accountants  # noqa: F401
+    elif method.startswith("adam"):
+        import dpregistry.privacy.secret  # noqa: F401  (adam_noise's generator)
+    else:
+        import dpregistry.run  # noqa: F401
+        from dpregistry.registry import Registry
+
+        Registry().load_entry_points()
+        import dpreg_accounting.accountants  # noqa: F401  (what the recipes below resolve to)
+        import dpreg_baseline.algorithms  # noqa: F401
         import dpreg_baseline.estimators  # noqa: F401
         import dpreg_baseline.privatizers  # noqa: F401
+        import dpreg_baseline.samplers  # noqa: F401
         import dpreg_baseline.updates  # noqa: F401
+        import dpreg_grape.algorithms  # noqa: F401
         import dpreg_grape.estimators  # noqa: F401
         import dpreg_grape.updates  # noqa: F401
-        import dpregistry.recipe  # noqa: F401
-        import dpregistry.run  # noqa: F401
 
 
 def build(model: str, device: str, checkpointing: bool = False):
@@ -446,6 +465,9 @@ def main() -> None:
     say(f"# python benchmarks/grape_vs_opacus.py {' '.join(sys.argv[1:])}")
     say(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.2f} at start, {os.environ.get('GRAPE_BENCH_THREADS', '2')} torch threads, {a.device}")
+    glibc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    if glibc:  # the children inherit it: e.g. MALLOC_MMAP_THRESHOLD_ gives every large tensor its own mapping
+        say(f"# glibc malloc settings: {' '.join(f'{k}={v}' for k, v in sorted(glibc.items()))}")
     for model in a.models:
         _, _, rank, budget = MODELS[model]
         T = sequence(model)

@@ -10,8 +10,11 @@ see the same number of examples per step: B rows for the example-level run and E
 k rows for ULS. The example-level ε protects one row; the ULS and ELS ε protect all 20 rows of a
 user (ELS keeps k of them and pays group privacy of size k).
 
-Each run is a fresh process (its peak RSS is its own ``ru_maxrss``, read by ``wait4``); time is the
-training loop's wall time, with evaluation excluded. The test score is SST-2's 872 labelled test
+Each run is a fresh process. Its memory is the peak RSS above what it has once the libraries a run
+imports are in (torch, transformers' BERT code, ``datasets``, dpregistry and its plugins): data,
+model, training and evaluation. The whole process's peak (``ru_maxrss``, read by ``wait4``) is
+printed beside it; that one counts the libraries in every run alike, which pulls the ratio towards 1.
+Time is the training loop's wall time, with evaluation excluded. The test score is SST-2's 872 labelled test
 sentences.
 
     python benchmarks/user_level_sst2.py --data /path/to/sst2 [--steps N] [--batch 256] [--k 4]
@@ -27,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fresh_process import run_child
+from fresh_process import import_dpregistry, reset_peak_rss, run_child, status_kib
 
 REPO = Path(__file__).resolve().parents[1]
 #: example-level DP-Adam and ELS run the shipped example-level recipe, ULS its user-level version
@@ -48,10 +51,19 @@ def sets_for(method: str, data: str, steps: int, batch: int, k: int) -> list[str
 
 def child(method: str, sets: list[str], out: Path) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
     import dpregistry
+    from dpregistry.hf import _alias_dir
     from dpregistry.recipe import load
     from dpregistry.run import Run
 
+    import_dpregistry()
+    # the model's code loads at first use, through the Auto classes' lookups: resolve them (the
+    # configuration and the 1 MiB tokenizer, not the weights) before the baseline
+    transformers.BertModel, transformers.AutoTokenizer.from_pretrained(_alias_dir("minilm"))  # noqa: B018
+    base, modules = status_kib("VmRSS"), set(sys.modules)
+    reset_peak_rss()
     run = Run(load(REPO / "recipes" / RECIPES[method], sets)).prepare()
     t0 = time.perf_counter()
     s = run.train()
@@ -60,7 +72,9 @@ def child(method: str, sets: list[str], out: Path) -> None:
     out.write_text(json.dumps({"accuracy": acc, "epsilon": s["epsilon"], "delta": s["delta"],
                                "unit": s.get("unit", "example"), "users": s.get("users"),
                                "example_level": s.get("example_level"), "seconds": seconds,
-                               "noise_multiplier": s.get("noise_multiplier"), "version": dpregistry.__version__}))
+                               "noise_multiplier": s.get("noise_multiplier"), "version": dpregistry.__version__,
+                               "peak_above_imports_mib": (status_kib("VmHWM") - base) / 1024,
+                               "window_imports": sorted(set(sys.modules) - modules)}))
 
 
 def measure(method: str, sets: list[str]) -> dict:
@@ -92,12 +106,20 @@ def main() -> None:
     steps = a.steps or "the recipe's"
     print(f"\nMiniLM + SST-2, all of train.tsv ({steps} steps, {a.batch} examples per step, "
           f"k = {a.k}, 20 rows per user)")
-    print(f"{'run':<34} {'unit':<8} {'ε':>6} {'accuracy':>9} {'time ÷ ex.':>11} {'memory ÷ ex.':>13}")
+    for m, r in rows.items():
+        if r["window_imports"]:
+            print(f"warning: {m} imported {len(r['window_imports'])} modules inside its measured window: "
+                  f"{', '.join(r['window_imports'][:8])}", file=sys.stderr)
+    print(f"{'run':<34} {'unit':<8} {'ε':>6} {'accuracy':>9} {'time ÷ ex.':>11} {'memory ÷ ex.':>13} "
+          f"{'process ÷ ex.':>14} {'memory MiB':>11}")
     names = {"example": "example-level DP-Adam", "uls": "ULS (user_poisson)", "els": "ELS (poisson, group k)"}
     for m, r in rows.items():
         print(f"{names[m]:<34} {r['unit']:<8} {r['epsilon']:>6.3f} {r['accuracy']:>9.4f} "
-              f"{r['seconds'] / base['seconds']:>11.2f} {r['peak_mib'] / base['peak_mib']:>13.2f}")
-    ratio = rows["uls"]["peak_mib"] / base["peak_mib"]
+              f"{r['seconds'] / base['seconds']:>11.2f} "
+              f"{r['peak_above_imports_mib'] / base['peak_above_imports_mib']:>13.2f} "
+              f"{r['peak_mib'] / base['peak_mib']:>14.2f} {r['peak_above_imports_mib']:>11.0f}")
+    print("(memory: the peak RSS above the imported libraries; process: the whole process's peak RSS)")
+    ratio = rows["uls"]["peak_above_imports_mib"] / base["peak_above_imports_mib"]
     print(f"\nULS peak memory ÷ example-level at the same examples per step: {ratio:.2f} "
           f"(target ≤ 1.2: {'MET' if ratio <= 1.2 else 'NOT MET'})")
     if rows["els"].get("example_level"):
