@@ -14,8 +14,8 @@ Each run is a fresh process. Its memory is the peak RSS above what it has once t
 imports are in (torch, transformers' BERT code, ``datasets``, dpregistry and its plugins): data,
 model, training and evaluation. The whole process's peak (``ru_maxrss``, read by ``wait4``) is
 printed beside it; that one counts the libraries in every run alike, which pulls the ratio towards 1.
-Time is the training loop's wall time, with evaluation excluded. The test score is SST-2's 872 labelled test
-sentences.
+Time is the training loop's wall time, with evaluation excluded. The test score is SST-2's 872
+labelled test sentences.
 
     python benchmarks/user_level_sst2.py --data /path/to/sst2 [--steps N] [--batch 256] [--k 4]
 """
