@@ -66,7 +66,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fresh_process import reset_peak_rss, status_kib  # noqa: E402
+from fresh_process import import_dpregistry, reset_peak_rss, status_kib  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("adam", "adam_noise", "dp_adam", "dp_adam_2p", "dp_adam_pl", "dp_grape", "dp_grape_e", "opacus_ghost", "opacus_hooks",
@@ -131,19 +131,7 @@ def import_libraries(method: str) -> None:
     elif method.startswith("adam"):
         import dpregistry.privacy.secret  # noqa: F401  (adam_noise's generator)
     else:
-        import dpregistry.run  # noqa: F401
-        from dpregistry.registry import Registry
-
-        Registry().load_entry_points()
-        import dpreg_accounting.accountants  # noqa: F401  (what the recipes below resolve to)
-        import dpreg_baseline.algorithms  # noqa: F401
-        import dpreg_baseline.estimators  # noqa: F401
-        import dpreg_baseline.privatizers  # noqa: F401
-        import dpreg_baseline.samplers  # noqa: F401
-        import dpreg_baseline.updates  # noqa: F401
-        import dpreg_grape.algorithms  # noqa: F401
-        import dpreg_grape.estimators  # noqa: F401
-        import dpreg_grape.updates  # noqa: F401
+        import_dpregistry()
 
 
 def build(model: str, device: str, checkpointing: bool = False):
