@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fresh_process import import_dpregistry, reset_peak_rss, status_kib  # noqa: E402
+from fresh_process import import_dpregistry, reset_peak_rss, status_kib, warn_of_window_imports  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -191,9 +191,7 @@ def main(argv=None):
             raise SystemExit(f"measurement {m} failed")
         results[m] = json.loads(out.stdout.strip().splitlines()[-1])
         r = results[m]
-        if r["window_imports"]:
-            print(f"warning: {m} imported {len(r['window_imports'])} modules inside its measured window "
-                  f"(their memory counts in its peak): {', '.join(r['window_imports'][:8])}", file=sys.stderr)
+        warn_of_window_imports(m, r["window_imports"])
         print(f"{m:8s} peak {r['peak_bytes'] / 2**20:9.1f} MiB   {r['seconds']:8.3f} s   "
               f"({r['params'] / 1e6:.1f} M params, batch {r['batch']}, {r['tokens']} tokens)", flush=True)
     f, z = results["forward"], results["dpzero"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -59,3 +60,12 @@ def import_dpregistry() -> None:
         for m in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}."):
             if not m.name.endswith(".__main__"):  # importing it would run the CLI
                 importlib.import_module(m.name)
+
+
+def warn_of_window_imports(label: str, imported: list[str]) -> None:
+    """Say on stderr which modules a child imported inside its measured window (it reports
+    ``sorted(set(sys.modules) - modules_at_its_baseline)``): their memory counts in its peak."""
+    if imported:
+        print(f"warning: {label} imported {len(imported)} modules inside its measured window (their memory "
+              f"counts in its peak): {', '.join(imported[:8])}", file=sys.stderr)
+

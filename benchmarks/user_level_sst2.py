@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fresh_process import import_dpregistry, reset_peak_rss, run_child, status_kib
+from fresh_process import import_dpregistry, reset_peak_rss, run_child, status_kib, warn_of_window_imports
 
 REPO = Path(__file__).resolve().parents[1]
 #: example-level DP-Adam and ELS run the shipped example-level recipe, ULS its user-level version
@@ -107,9 +107,7 @@ def main() -> None:
     print(f"\nMiniLM + SST-2, all of train.tsv ({steps} steps, {a.batch} examples per step, "
           f"k = {a.k}, 20 rows per user)")
     for m, r in rows.items():
-        if r["window_imports"]:
-            print(f"warning: {m} imported {len(r['window_imports'])} modules inside its measured window: "
-                  f"{', '.join(r['window_imports'][:8])}", file=sys.stderr)
+        warn_of_window_imports(m, r["window_imports"])
     print(f"{'run':<34} {'unit':<8} {'ε':>6} {'accuracy':>9} {'time ÷ ex.':>11} {'memory ÷ ex.':>13} "
           f"{'process ÷ ex.':>14} {'memory MiB':>11}")
     names = {"example": "example-level DP-Adam", "uls": "ULS (user_poisson)", "els": "ELS (poisson, group k)"}
