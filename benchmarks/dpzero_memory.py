@@ -96,12 +96,12 @@ def child(args) -> dict:
     cuda = args.device.startswith("cuda")
     import_libraries()
     runtime = 0
-    if args.measure == "dpzero" and not cuda:  # the compiled direction kernel: Inductor, loaded once a process
+    if args.measure == "dpzero":  # the direction kernel (Inductor on a CPU, Triton on CUDA), built once a process
         from dpregistry import philox
 
         before = status_kib("VmRSS")
         philox.takes(torch.zeros(philox.MIN_CHUNK, device=args.device))
-        runtime = (status_kib("VmRSS") - before) * 1024
+        runtime = 0 if cuda else (status_kib("VmRSS") - before) * 1024  # host memory: a CPU run's peak only
     base, modules = status_kib("VmRSS"), set(sys.modules)
     algorithm = "dp_adam" if args.measure == "dp_adam" else "dpzero"
     with tempfile.TemporaryDirectory() as tmp:

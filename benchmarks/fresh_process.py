@@ -56,10 +56,15 @@ def import_dpregistry() -> None:
 
     packages = [dpregistry] + [importlib.import_module(ep.module.split(".")[0])
                                for ep in entry_points(group=ENTRY_POINT_GROUP)]
+    import torch
+
     for package in packages:
         for m in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}."):
-            if not m.name.endswith(".__main__"):  # importing it would run the CLI
-                importlib.import_module(m.name)
+            if m.name.endswith(".__main__"):  # importing it would run the CLI
+                continue
+            if m.name.endswith("_triton") and not torch.cuda.is_available():  # CUDA kernels: Triton, never on a CPU run
+                continue
+            importlib.import_module(m.name)
 
 
 def warn_of_window_imports(label: str, imported: list[str]) -> None:

@@ -15,8 +15,9 @@ gradients of the same weights are compared:
 The check: ours − ref ≤ 4 × (autograd − ref) + the dtype's epsilon, for the norms and for the
 clipped sum at C = the median reference norm, i.e. the hooks add no error beyond the dtype's own;
 and the clipped sum is accumulated in fp32 or wider. First, the secret noise drawn on the device
-(dpregistry/privacy/chacha.py) is checked against the same draw on the CPU. Prints one line per
-case and PASS / FAIL.
+(dpregistry/privacy/chacha.py) is checked against the same draw on the CPU, and DPZero's
+directions from the Triton kernel (dpregistry/philox_triton.py) against the CPU's. Prints one
+line per case and PASS / FAIL; then times the secret noise and a DPZero parameter sweep.
 
     python benchmarks/gpu_checks.py [--device cuda] [--dtypes float32 bfloat16 float16]
 """
@@ -164,10 +165,10 @@ def check(name: str, build, dtype_name: str, device, rank=None) -> bool:
 
 
 def check_device_noise(device) -> bool:
-    """The device half of the secret noise (ChaCha20 in torch ops, compiled on a GPU): the same
+    """The device half of the secret noise (ChaCha20; a Triton kernel on a CUDA GPU): the same
     keystream as on the CPU bit for bit, the same Gaussians up to the float64 rounding of log and
-    cos, the compiled kernel's equal to the uncompiled ops' on the device bit for bit, and standard
-    normal."""
+    cos, the kernel's equal to the torch ops' on the device bit for bit (the path a device without
+    the kernel takes), and standard normal."""
     import math
     import time
 
@@ -178,23 +179,99 @@ def check_device_noise(device) -> bool:
     words_ok = torch.equal(chacha.keystream(kd, torch.tensor(2 ** 32 + 9, device=device), 4096).cpu(),
                            chacha.keystream(kc, torch.tensor(2 ** 32 + 9), 4096))
     t = time.perf_counter()
-    z = chacha.gaussian_chunk(kd, torch.tensor(5, device=device))  # the first call compiles
+    z = chacha.gaussian_chunk(kd, torch.tensor(5, device=device))  # the first call builds the kernel
     torch.cuda.synchronize(device) if device.type == "cuda" else None
     first = time.perf_counter() - t
     ref = chacha._chunk(kc, torch.tensor(5))
     diff = float((z.cpu() - ref).abs().max())
-    # if compiling fails the uncompiled ops take over: they must round as the kernel does
-    eager = chacha._chunk(kd, torch.tensor(5, device=device))
-    same = torch.equal(z, eager)
+    ops = chacha._chunk(kd, torch.tensor(5, device=device))
+    same = torch.equal(z, ops)
     n = z.numel()
     mean, std = float(z.mean()), float(z.std())
-    ok = words_ok and same and diff < 1e-6 and abs(mean) < 5 / math.sqrt(n) and abs(std - 1) < 5e-3
-    compiled = chacha._kernels.get(str(kd.device), (None,))[0] not in (None, chacha._chunk)
+    kernel = chacha._kernels.get(str(kd.device), False)
+    ok = kernel and words_ok and same and diff < 1e-6 and abs(mean) < 5 / math.sqrt(n) and abs(std - 1) < 5e-3
     print(f"device noise: keystream equal to the CPU's {words_ok}; {n} Gaussians, max |GPU - CPU| {diff:.1e}, "
-          f"compiled = uncompiled on the device bit for bit {same} ({int((z != eager).sum())} differ), "
-          f"mean {mean:+.1e}, std {std:.5f}; compiled {compiled} (first call {first:.1f} s) "
+          f"Triton kernel = torch ops on the device bit for bit {same} ({int((z != ops).sum())} differ), "
+          f"mean {mean:+.1e}, std {std:.5f}; kernel {kernel} (first call {first:.1f} s) "
           f"{'PASS' if ok else 'FAIL'}", flush=True)
     return ok
+
+
+def check_device_directions(device) -> bool:
+    """DPZero's directions from the Triton Philox kernel: a float32 tensor's u equal to the CPU
+    kernel's up to the rounding of log and cos (where the CPU's kernel draws: chunks of at least
+    philox.MIN_CHUNK elements); a whole-tensor sweep equal bit for bit to the same
+    u drawn chunk by chunk (the layout follows the CPU's chunks, not the launch); a float16 sweep
+    the float32 sum rounded once; and standard normal."""
+    import math
+
+    from dpregistry import philox
+    from dpregistry.directions import DEVICE_CHUNK, Direction
+
+    sizes = [DEVICE_CHUNK + 3 * philox.LAYOUT + 4 * 5000 + 3, 4096, 10, 1]  # a device chunk and a ragged tail
+    d = Direction(seed=(1 << 62) + 12345)
+    cpu = d.dense([torch.zeros(sizes[0])])
+    chunked = d.dense([torch.zeros(n, device=device) for n in sizes])
+    swept = [torch.zeros(n, device=device) for n in sizes]
+    d.add_(swept, 1.0)
+    kernel = philox.takes_whole(swept[0])
+    vs_cpu = float((chunked[0].cpu() - cpu[0]).abs().max())
+    same = all(torch.equal(a, b) for a, b in zip(swept, chunked))
+    half = [torch.full((n,), 0.5, dtype=torch.float16, device=device) for n in sizes]
+    d.add_(half, 1e-2)
+    want = [(0.5 + 1e-2 * u).half() for u in chunked]
+    off = sum(int((h != w).sum()) for h, w in zip(half, want))
+    worst = max(float((h.float() - w.float()).abs().max()) for h, w in zip(half, want))
+    z = chunked[0]
+    mean, std = float(z.mean()), float(z.std())
+    ok = (kernel and vs_cpu < 1e-5 and same and worst <= 2 ** -11 and abs(mean) < 5 / math.sqrt(z.numel())
+          and abs(std - 1) < 5e-3)
+    print(f"directions: Triton kernel {kernel}; float32 u, max |GPU - CPU| {vs_cpu:.1e}; whole-tensor sweep = "
+          f"chunk by chunk bit for bit {same}; float16 sweep vs the float32 sum rounded: {off} of "
+          f"{sum(sizes)} differ, by at most {worst:.1e}; mean {mean:+.1e}, std {std:.5f} "
+          f"{'PASS' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def sweep_timing(device) -> None:
+    """One parameter sweep over OPT-6.7B's tensors in float16 (6.66e9 parameters): the Triton
+    kernel against torch's generator in chunks (the path before it) and against one read and
+    write of the same memory (the physical floor of any sweep), best of 5."""
+    import time
+
+    from dpregistry import philox
+    from dpregistry.directions import Direction
+
+    h, f, v, layers = 4096, 16384, 50272, 32
+    shapes = [(v, h), (2050, h)] + [s for _ in range(layers) for s in
+                                     [(h, h), (h,)] * 4 + [(f, h), (f,), (h, f), (h,)] + [(h,)] * 4] + [(h,), (h,)]
+    ts = [torch.zeros(s, dtype=torch.float16, device=device) for s in shapes]
+    n = sum(t.numel() for t in ts)
+
+    def best(fn, k=5):
+        out = []
+        for _ in range(k):
+            torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            out.append(time.perf_counter() - t)
+        return min(out)
+
+    d = Direction(seed=7)
+    floor = best(lambda: torch._foreach_mul_(ts, 1.0))
+    kernel = best(lambda: d.add_(ts, 1e-3))
+    saved = philox._kernels.get("cuda")
+    philox._kernels["cuda"] = None  # torch's generator, chunk by chunk
+    try:
+        generator = best(lambda: d.add_(ts, 1e-3), k=3)
+    finally:
+        philox._kernels["cuda"] = saved
+    gb = 2 * n * 2 / 1e9
+    print(f"sweep of {n / 1e9:.2f}e9 float16 parameters ({len(ts)} tensors): Triton kernel {kernel * 1e3:.1f} ms "
+          f"({gb / kernel / 1e3:.2f} TB/s), torch's generator {generator * 1e3:.1f} ms, one read and write "
+          f"{floor * 1e3:.1f} ms ({gb / floor / 1e3:.2f} TB/s); kernel ÷ floor {kernel / floor:.2f}, "
+          f"generator ÷ kernel {generator / kernel:.1f}", flush=True)
 
 
 def noise_timing(device) -> None:
@@ -236,10 +313,11 @@ def main(argv=None) -> int:
     cases = [("bert", lambda: bert(device), None), ("opt (tied head)", lambda: opt(device), None),
              ("bert checkpointed", lambda: bert(device, checkpointed=True), None),
              ("bert dp-grape r=8", lambda: bert(device), 8)]
-    results = [check_device_noise(device)]
+    results = [check_device_noise(device), check_device_directions(device)]
     results += [check(name, build, dt, device, rank) for dt in args.dtypes for name, build, rank in cases]
     if device.type == "cuda":
         noise_timing(device)
+        sweep_timing(device)
     print(f"{sum(results)} of {len(results)} cases PASS")
     return 0 if all(results) else 1
 

@@ -7,18 +7,21 @@ same seed always gives the same u (DPZero §2.4, "seed trick").
 
 Drawing Gaussians is the cost of a zeroth-order step's parameter sweeps. On a CPU, float32 chunks
 of at least 2¹⁴ elements take them from Philox4x32-10 keyed per tensor, compiled with the
-sweep's ``t += s·u`` into one vectorised, multi-threaded loop (:mod:`dpregistry.philox`). Other
-chunks, those on an accelerator, and all chunks where torch.compile does not work take torch's
-generator: every chunk has its own generator of the device, seeded from (seed, tensor, chunk),
-and a CPU's chunks run on a thread pool (its generator is sequential). An accelerator draws
-larger chunks: at 2²⁰ elements, OPT-6.7B's 6,400 chunks made a sweep on an H200 cost 8.7 forward
-passes in per-chunk overhead. u therefore depends on the device kind (its generator and chunk
-size) and, on a CPU, on whether torch.compile works there; never on the number of threads.
-Rademacher signs always come from the device's generator.
+sweep's ``t += s·u`` into one vectorised, multi-threaded loop (:mod:`dpregistry.philox`); on a
+CUDA GPU, float tensors take the same generator in the same layout from a Triton kernel, one
+launch a sweep (a float32 tensor's u is the CPU's within 4·10⁻⁶ wherever the CPU's kernel
+draws). Other chunks, those on other accelerators, and all chunks where the kernel does not
+compile take torch's generator: every chunk has its own generator of the device, seeded from
+(seed, tensor, chunk), and a CPU's chunks run on a thread pool (its generator is sequential). An
+accelerator draws larger chunks: at 2²⁰ elements, OPT-6.7B's 6,400 chunks made a sweep on an
+H200 cost 8.7 forward passes in per-chunk overhead. u therefore depends on whether the kernel
+runs, and else on the device kind (its generator and chunk size); never on the number of
+threads. Rademacher signs always come from the device's generator.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -31,7 +34,7 @@ import torch
 from . import philox
 from .rng import derive
 
-CHUNK = 1 << 20  # elements per chunk (and per generator) on a CPU; fixed, so that regeneration is bit-identical
+CHUNK = philox.LAYOUT  # elements per chunk (and per generator) on a CPU; fixed, so that regeneration is bit-identical
 DEVICE_CHUNK = 1 << 24  # the same on an accelerator (one chunk of scratch: 64 MiB in fp32)
 DISTRIBUTIONS = ("gaussian", "sphere", "rademacher")
 _BITS = 32  # Rademacher signs per random int32 word (uniform on its whole range: 32 uniform bits)
@@ -58,12 +61,13 @@ def _chunks(t: torch.Tensor):
         yield flat[start:start + k]
 
 
-def _map(fn: Callable, tensors: list[torch.Tensor], pooled: bool = True) -> list:
-    """[fn(tensor_index, chunk_index, chunk)] over every chunk, in order. On a CPU the chunks run
-    on a thread pool (torch releases the GIL in its kernels) unless ``pooled`` is False (the
-    compiled Philox kernel runs on every thread itself); on an accelerator, in order."""
+def _map(fn: Callable, tensors: list[torch.Tensor], pooled: bool = True, skip: frozenset = frozenset()) -> list:
+    """[fn(tensor_index, chunk_index, chunk)] over every chunk of the tensors not in ``skip``, in
+    order. On a CPU the chunks run on a thread pool (torch releases the GIL in its kernels) unless
+    ``pooled`` is False (the compiled Philox kernel runs on every thread itself); on an
+    accelerator, in order."""
     global _pool
-    items = [(i, j, c) for i, t in enumerate(tensors) for j, c in enumerate(_chunks(t))]
+    items = [(i, j, c) for i, t in enumerate(tensors) if i not in skip for j, c in enumerate(_chunks(t))]
 
     def run(item):
         with torch.no_grad():  # grad mode is per thread; u is never part of a graph
@@ -92,6 +96,13 @@ def _shifts(device) -> torch.Tensor:
     return shifts[device]
 
 
+@functools.lru_cache(maxsize=1 << 14)  # a step's three sweeps ask for the same few hundred keys
+def _derive_seed(seed: int, tensor_index: int, chunk_index: int | None) -> int:
+    if chunk_index is None:
+        return derive("dpregistry-direction", seed, tensor_index)
+    return derive("dpregistry-direction", seed, tensor_index, chunk_index)
+
+
 @dataclass(frozen=True)
 class Direction:
     """u = z (gaussian) or u = sqrt(d)·z/‖z‖ (sphere), z ~ N(0, I_d) drawn from ``seed``; or u with
@@ -112,9 +123,7 @@ class Direction:
 
     def _seed(self, tensor_index: int, chunk_index: int | None = None) -> int:
         """A chunk's generator seed; Philox takes one key per tensor (None) and counts its elements."""
-        if chunk_index is None:
-            return derive("dpregistry-direction", self.seed, tensor_index)
-        return derive("dpregistry-direction", self.seed, tensor_index, chunk_index)
+        return _derive_seed(self.seed, tensor_index, chunk_index)
 
     def _philox(self, chunk: torch.Tensor) -> bool:
         """Whether the chunk's z comes from the compiled Philox kernel (Gaussian and sphere
@@ -167,7 +176,10 @@ class Direction:
             else:
                 c.add_(self._draw(i, j, c), alpha=s)
 
-        _map(sweep, tensors, self._pooled(tensors))
+        whole = frozenset(i for i, t in enumerate(tensors) if self.distribution != "rademacher" and philox.takes_whole(t))
+        if whole:  # a CUDA GPU's kernel: one launch for all, the same z as chunk by chunk
+            philox.add_tensors_([tensors[i] for i in sorted(whole)], [self._seed(i) for i in sorted(whole)], s)
+        _map(sweep, tensors, self._pooled(tensors), skip=whole)
 
     def dense(self, tensors: Iterable[torch.Tensor], dtype=None) -> list[torch.Tensor]:
         """Materialise u in the shapes of ``tensors`` (costs d memory: tests and dense lifts only)."""

@@ -7,10 +7,12 @@ cost 0.19 of a forward pass on OPT-125m. Here u comes from a counter-based gener
 Philox4x32-10 (Salmon, Moraes, Dror & Shaw, SC 2011; the generator of cuRAND and JAX), and
 ``torch.compile`` fuses its ten rounds, the Box–Muller transform and ``p += s·u`` into one
 vectorised, multi-threaded loop: no u is ever written to memory, and each element depends only on
-its key, its chunk and its place in the chunk, never on the number of threads. CPUs only: the
-rounds multiply 32-bit words into 64-bit products, which a GPU emulates, so on an H100 the fused
-kernel took 22.7 ps an element against torch's own generator's 4.4 (an OPT-6.7B sweep 8.3 forward
-passes against 1.18); accelerators keep that generator (:mod:`dpregistry.directions`).
+its key, its chunk and its place in the chunk, never on the number of threads. Compiled by
+Inductor for CPUs only: the rounds multiply 32-bit words into 64-bit products, which Inductor
+writes as int64 arithmetic that a GPU emulates (on an H100, 22.7 ps an element against torch's own
+generator's 4.4). CUDA GPUs run the same generator and layout as a Triton kernel instead
+(:mod:`dpregistry.philox_triton`), one launch a tensor; other accelerators keep torch's generator
+(:mod:`dpregistry.directions`).
 
 A chunk of n elements that starts at element ``start`` of its tensor (keyed per tensor) reads the
 q = ⌈n/4⌉ counters start/4 … start/4 + q − 1, so no two chunks of a tensor share one; counter c's
@@ -19,13 +21,14 @@ words (w0, w1, w2, w3) give, as pairs (w0, w1) and (w2, w3), the chunk's element
 it ran 1.4 × slower), those ≥ n dropped. A pair (a, b) gives ρ·cos θ and ρ·sin θ with
 ρ = √(−2 ln v), v = ((a >> 8) + 1)/2²⁴ ∈ (0, 1], and θ = 2π·(b >> 8)/2²⁴, in float32, as torch's
 own CPU sampler does (so |u_i| ≤ √(2 ln 2²⁴) = 5.77, a truncation of probability 2·10⁻⁹ a draw).
-Chunks below MIN_CHUNK elements, and of another dtype, take torch's generator
-(:mod:`dpregistry.directions`).
+On a CPU, chunks below MIN_CHUNK elements, and of another dtype, take torch's generator
+(:mod:`dpregistry.directions`); on a CUDA GPU the kernel takes float32, float16 and bfloat16
+tensors of any size (u in float32, the sum rounded once to the tensor's dtype).
 
 The compiled loop and the same ops run uncompiled round ``log``/``cos`` differently in the last
 bit, so a process settles once, per device type, which it uses: where compiling fails (no C++
-compiler), a warning says so and :mod:`dpregistry.directions` draws with the device's torch
-generator, as before.
+compiler, no Triton), a warning says so and :mod:`dpregistry.directions` draws with the
+device's torch generator, as before.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from .progress import say
 
 _MASK = 0xFFFFFFFF
+LAYOUT = 1 << 20  # a CPU chunk (directions.CHUNK): CUDA's whole-tensor kernel lays u out over these
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32's multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # its Weyl key increments
 ROUNDS = 10
@@ -83,7 +87,6 @@ def _add_(p: torch.Tensor, key: torch.Tensor, scale: torch.Tensor) -> None:
 # generator draws a short chunk sooner.
 MIN_CHUNK = 1 << 14
 _KERNELS = 64
-_COMPILES_ON = ("cpu",)
 _LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())  # raised before the kernel runs
 
 
@@ -92,30 +95,72 @@ def _room():
     return torch._dynamo.config.patch(recompile_limit=_KERNELS)
 
 
-_kernels: dict[str, object] = {}  # device type -> the compiled _add_, or None where compiling failed
+class _CompiledLoop:
+    """The CPU's kernel: ``_add_`` compiled by Inductor, one float32 chunk a call."""
+
+    whole = False  # a chunk a call: Direction cuts tensors into CPU chunks for it
+
+    def __init__(self, device: torch.device):
+        self._fn = torch.compile(_add_, dynamic=True, fullgraph=True)
+        self(torch.zeros(MIN_CHUNK, device=device), 0, 1.0, 0)  # compiles, or raises
+
+    def takes(self, chunk: torch.Tensor) -> bool:
+        return chunk.dtype == torch.float32 and chunk.numel() >= MIN_CHUNK
+
+    def __call__(self, chunk: torch.Tensor, seed: int, scale: float, start: int) -> None:
+        args = chunk.view(-1), _key(seed, start, chunk.device), torch.tensor(scale, dtype=torch.float64)
+        with torch.no_grad():  # grad mode is one of the compiled kernel's guards
+            try:
+                self._fn(*args)
+            except _LIMIT_HIT:  # a new thread count past dynamo's default number of kernels
+                with _room():
+                    self._fn(*args)
+
+
+class _TritonSweep:
+    """A CUDA GPU's kernel (:mod:`dpregistry.philox_triton`): float tensors of any size, whole."""
+
+    whole = True
+
+    def __init__(self, device: torch.device):
+        from . import philox_triton  # imports triton: CUDA processes only
+
+        self._triton = philox_triton
+        self(torch.zeros(8, device=device), 0, 1.0, 0)  # builds, or raises
+
+    def takes(self, chunk: torch.Tensor) -> bool:
+        return chunk.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+    def __call__(self, chunk: torch.Tensor, seed: int, scale: float, start: int) -> None:
+        self._triton.add_([chunk.view(-1)], [seed], scale, [start])
+
+    def add_tensors_(self, tensors: list[torch.Tensor], seeds: list[int], scale: float) -> None:
+        self._triton.add_([t.view(-1) for t in tensors], seeds, scale)
+
+
+_KINDS = {"cpu": _CompiledLoop, "cuda": _TritonSweep}
+_kernels: dict[str, object] = {}  # device type -> its kernel, or None where it failed to build (settled)
 _lock = threading.Lock()
 
 
 def _kernel(device: torch.device):
-    """The compiled ``_add_`` for ``device``'s type, or None; settled by the first call of a process."""
+    """The kernel for ``device``'s type, or None; settled by the first call of a process."""
     kind = device.type
-    if kind not in _COMPILES_ON or getattr(torch._dynamo.config, "disable", False):  # TORCH_COMPILE_DISABLE
-        return None
+    if kind not in _KINDS or (kind == "cpu" and getattr(torch._dynamo.config, "disable", False)):
+        return None  # TORCH_COMPILE_DISABLE: "compiled" code would run op by op, 50 × slower
     if kind in _kernels:  # settled: every chunk asks, so no lock once the answer is in
         return _kernels[kind]
     with _lock:
         if kind not in _kernels:
-            say("random directions: compiling the Gaussian kernel, once per process (a few seconds)")
-            fn = torch.compile(_add_, dynamic=True, fullgraph=True)
+            say(f"random directions: compiling the Gaussian kernel for {kind}, once per process (a few seconds)")
             try:
-                with torch.no_grad(), _room():  # grad mode is one of the compiled kernel's guards
-                    fn(torch.zeros(MIN_CHUNK, device=device), _key(0, 0, device), torch.ones((), dtype=torch.float64))
-            except Exception as e:  # no C++ compiler, or no Inductor backend for this device
+                with _room():
+                    _kernels[kind] = _KINDS[kind](device)
+            except Exception as e:  # no C++ compiler, no Inductor backend, no Triton
                 warnings.warn(f"random directions: compiling the Philox kernel failed ({type(e).__name__}); "
                               f"Gaussian directions come from torch's generator instead (slower)",
                               RuntimeWarning, stacklevel=3)
-                fn = None
-            _kernels[kind] = fn
+                _kernels[kind] = None
         return _kernels[kind]
 
 
@@ -126,9 +171,23 @@ def _key(seed: int, start: int, device) -> torch.Tensor:
 
 
 def takes(chunk: torch.Tensor) -> bool:
-    """Whether this chunk's Gaussians come from the compiled kernel: a float32 chunk of at least
-    MIN_CHUNK elements on a CPU where torch.compile works."""
-    return chunk.dtype == torch.float32 and chunk.numel() >= MIN_CHUNK and _kernel(chunk.device) is not None
+    """Whether this chunk's Gaussians come from the kernel: a float32 chunk of at least MIN_CHUNK
+    elements on a CPU where torch.compile works, or a float chunk on a CUDA GPU where Triton does."""
+    kernel = _kernel(chunk.device)
+    return kernel is not None and kernel.takes(chunk)
+
+
+def takes_whole(t: torch.Tensor) -> bool:
+    """Whether the kernel sweeps ``t`` whole, with no chunk of scratch (a CUDA GPU's: ``add_tensors_``)."""
+    return t.is_contiguous() and takes(t) and _kernel(t.device).whole
+
+
+def add_tensors_(tensors: list[torch.Tensor], seeds: list[int], scale: float) -> None:
+    """t += scale·u for tensors that the kernel ``takes_whole``, each keyed by its seed: one
+    launch a dtype, the same u as chunk by chunk."""
+    for dtype in {t.dtype for t in tensors}:
+        group = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        _kernel(tensors[group[0]].device).add_tensors_([tensors[i] for i in group], [seeds[i] for i in group], scale)
 
 
 def add_(chunk: torch.Tensor, seed: int, scale: float, start: int = 0) -> None:
@@ -136,10 +195,4 @@ def add_(chunk: torch.Tensor, seed: int, scale: float, start: int = 0) -> None:
     the chunk is cut from (a multiple of 4; a contiguous chunk that the kernel ``takes``)."""
     if start % 4 or not takes(chunk):
         raise ValueError(f"not a chunk for the Philox kernel: {chunk.numel()} {chunk.dtype} elements from {start}")
-    args = chunk.view(-1), _key(seed, start, chunk.device), torch.tensor(scale, dtype=torch.float64)
-    with torch.no_grad():
-        try:
-            _kernel(chunk.device)(*args)
-        except _LIMIT_HIT:  # a new thread count past dynamo's default number of kernels
-            with _room():
-                _kernel(chunk.device)(*args)
+    _kernel(chunk.device)(chunk, seed, scale, start)

@@ -161,4 +161,4 @@ def test_the_user_hears_of_the_compile_once(monkeypatch):
     with progress.saying(heard.append):
         for _ in range(3):
             philox.add_(torch.zeros(philox.MIN_CHUNK), 1, 1.0)
-    assert heard == ["random directions: compiling the Gaussian kernel, once per process (a few seconds)"]
+    assert heard == ["random directions: compiling the Gaussian kernel for cpu, once per process (a few seconds)"]

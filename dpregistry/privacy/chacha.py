@@ -4,8 +4,9 @@ AES-CTR (``cryptography``) runs on the CPU: filling a GPU model's gradients from
 RoBERTa-large DP-Adam step on an H200 cost 9.7 non-private steps (1.9 s of noise for 366M
 parameters, a step 0.25 s). ChaCha20 (Bernstein 2008; RFC 8439's block function, the generator
 behind Linux's /dev/urandom) needs only 32-bit additions, XORs and rotations, so it runs as
-element-wise tensor ops on any device; on a GPU ``torch.compile`` fuses a chunk's 20 rounds and
-its Gaussian transform (0.09 s for 366M outputs on an H200, against 1.9 s from the host).
+element-wise tensor ops on any device; on a CUDA GPU a Triton kernel computes a chunk's 20 rounds
+and its Gaussian transform in uint32 and float64 (:mod:`.chacha_triton`; ``torch.compile`` of
+these ops took 0.09 s for 366M outputs on an H200, against 1.9 s from the host).
 
 The state is the original one: 8 key words, a 64-bit block counter in words 12–13, a 64-bit
 nonce (0: every stream has a key of its own) in words 14–15. The 32-bit words are held in
@@ -92,7 +93,7 @@ def _chunk(key: torch.Tensor, first_block: torch.Tensor) -> torch.Tensor:
 
 
 def compiles_on(device: torch.device) -> bool:
-    """Whether chunks on ``device`` run as one compiled kernel (a GPU: Inductor's Triton backend)."""
+    """Whether chunks on ``device`` run as one Triton kernel (a CUDA GPU: :mod:`.chacha_triton`)."""
     return device.type == "cuda"
 
 
@@ -102,36 +103,33 @@ def draws_on(device) -> bool:
     return torch.device(device).type not in ("cpu", "mps")
 
 
-# Inductor's eager numerics: no fused multiply-adds (Triton contracts a·b + c by default) and the
-# CUDA toolkit's libdevice, so that the kernel rounds as the uncompiled ops do.
-_EAGER_NUMERICS = {"emulate_precision_casts": True}
-_kernels: dict[str, tuple[object, bool]] = {}  # device -> (chunk function, whether it has run there)
+_kernels: dict[str, bool] = {}  # device -> whether its chunks come from the Triton kernel (settled)
 _lock = threading.Lock()
+
+
+def _triton_chunk(key: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    from . import chacha_triton  # imports triton: CUDA processes only
+    return chacha_triton.gaussian_chunk(key, start, CHUNK)
 
 
 def gaussian_chunk(key: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """CHUNK float64 Gaussians from blocks [start, start + blocks_for(CHUNK)), on ``key``'s
     device (``start``: a 0-d int64 tensor there, so that no chunk waits for a copy from the host):
-    fused by torch.compile on a GPU, eager elsewhere. Which of the two a device uses is settled by
-    its first chunk (uncompiled, with a warning, if compiling fails): a later error is raised, not
-    answered by switching paths in the middle of a run."""
+    one Triton kernel on a CUDA GPU, torch ops elsewhere. Which of the two a device uses is
+    settled by its first chunk (torch ops, with a warning, if the kernel fails to build): a later
+    error is raised, not answered by switching paths in the middle of a run."""
     device = key.device
     if not compiles_on(device):
         return _chunk(key, start)
+    settled = _kernels.get(str(device))
+    if settled is not None:
+        return _triton_chunk(key, start) if settled else _chunk(key, start)
     with _lock:
-        if str(device) not in _kernels:
-            _kernels[str(device)] = torch.compile(_chunk, fullgraph=True, dynamic=False, options=_EAGER_NUMERICS), False
-        fn, settled = _kernels[str(device)]
-    with torch.no_grad():  # grad mode is part of the compiled kernel's guards: one kernel, whatever the caller's
-        if settled:
-            return fn(key, start)
-        say(f"secret noise: compiling the noise kernel for {device}, once per process "
-            f"(about 30-50 s on an H100/H200; the first step waits for it)")
+        say(f"secret noise: building the noise kernel for {device}, once per process")
         try:
-            z = fn(key, start)
-        except Exception as e:  # no compiler for this device
-            warnings.warn(f"secret noise: compiling the ChaCha20 kernel for {device} failed ({type(e).__name__}); "
-                          f"the noise is drawn uncompiled, slower", RuntimeWarning, stacklevel=2)
-            fn, z = _chunk, _chunk(key, start)
-        _kernels[str(device)] = fn, True
+            z, _kernels[str(device)] = _triton_chunk(key, start), True
+        except Exception as e:  # no Triton, or no compiler for this device
+            warnings.warn(f"secret noise: building the ChaCha20 kernel for {device} failed ({type(e).__name__}); "
+                          f"the noise is drawn by torch ops, slower", RuntimeWarning, stacklevel=2)
+            z, _kernels[str(device)] = _chunk(key, start), False
         return z
