@@ -11,7 +11,7 @@ its key, its chunk and its place in the chunk, never on the number of threads. C
 Inductor for CPUs only: the rounds multiply 32-bit words into 64-bit products, which Inductor
 writes as int64 arithmetic that a GPU emulates (on an H100, 22.7 ps an element against torch's own
 generator's 4.4). CUDA GPUs run the same generator and layout as a Triton kernel instead
-(:mod:`dpregistry.philox_triton`), one launch a tensor; other accelerators keep torch's generator
+(:mod:`dpregistry.philox_triton`), one launch a sweep; other accelerators keep torch's generator
 (:mod:`dpregistry.directions`).
 
 A chunk of n elements that starts at element ``start`` of its tensor (keyed per tensor) reads the
@@ -154,8 +154,7 @@ def _kernel(device: torch.device):
         if kind not in _kernels:
             say(f"random directions: compiling the Gaussian kernel for {kind}, once per process (a few seconds)")
             try:
-                with _room():
-                    _kernels[kind] = _KINDS[kind](device)
+                _kernels[kind] = _KINDS[kind](device)
             except Exception as e:  # no C++ compiler, no Inductor backend, no Triton
                 warnings.warn(f"random directions: compiling the Philox kernel failed ({type(e).__name__}); "
                               f"Gaussian directions come from torch's generator instead (slower)",

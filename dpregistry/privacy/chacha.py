@@ -121,15 +121,16 @@ def gaussian_chunk(key: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     device = key.device
     if not compiles_on(device):
         return _chunk(key, start)
-    settled = _kernels.get(str(device))
-    if settled is not None:
-        return _triton_chunk(key, start) if settled else _chunk(key, start)
-    with _lock:
-        say(f"secret noise: building the noise kernel for {device}, once per process")
-        try:
-            z, _kernels[str(device)] = _triton_chunk(key, start), True
-        except Exception as e:  # no Triton, or no compiler for this device
-            warnings.warn(f"secret noise: building the ChaCha20 kernel for {device} failed ({type(e).__name__}); "
-                          f"the noise is drawn by torch ops, slower", RuntimeWarning, stacklevel=2)
-            z, _kernels[str(device)] = _chunk(key, start), False
-        return z
+    if str(device) not in _kernels:
+        with _lock:
+            if str(device) not in _kernels:
+                say(f"secret noise: building the noise kernel for {device}, once per process")
+                try:
+                    z, _kernels[str(device)] = _triton_chunk(key, start), True
+                    return z
+                except Exception as e:  # no Triton, or no compiler for this device
+                    warnings.warn(f"secret noise: building the ChaCha20 kernel for {device} failed "
+                                  f"({type(e).__name__}); the noise is drawn by torch ops, slower",
+                                  RuntimeWarning, stacklevel=2)
+                    _kernels[str(device)] = False
+    return _triton_chunk(key, start) if _kernels[str(device)] else _chunk(key, start)
