@@ -164,12 +164,34 @@ def check(name: str, build, dtype_name: str, device, rank=None) -> bool:
     return ok
 
 
+def _best(device, fn, k=3) -> float:
+    """The shortest of k timed calls of fn, the device synchronised around each."""
+    import time
+
+    out = []
+    for _ in range(k):
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        out.append(time.perf_counter() - t)
+    return min(out)
+
+
+def _standard_normal(z: torch.Tensor) -> tuple[bool, str]:
+    """Whether z's mean and standard deviation are those of N(0, 1) draws (within 5 standard
+    errors and 0.5 %), and the two as text."""
+    import math
+
+    mean, std = float(z.mean()), float(z.std())
+    return abs(mean) < 5 / math.sqrt(z.numel()) and abs(std - 1) < 5e-3, f"mean {mean:+.1e}, std {std:.5f}"
+
+
 def check_device_noise(device) -> bool:
     """The device half of the secret noise (ChaCha20; a Triton kernel on a CUDA GPU): the same
     keystream as on the CPU bit for bit, the same Gaussians up to the float64 rounding of log and
     cos, the kernel's equal to the torch ops' on the device bit for bit (the path a device without
     the kernel takes), and standard normal."""
-    import math
     import time
 
     from dpregistry.privacy import chacha, secret
@@ -186,24 +208,22 @@ def check_device_noise(device) -> bool:
     diff = float((z.cpu() - ref).abs().max())
     ops = chacha._chunk(kd, torch.tensor(5, device=device))
     same = torch.equal(z, ops)
-    n = z.numel()
-    mean, std = float(z.mean()), float(z.std())
+    normal, moments = _standard_normal(z)
     kernel = chacha._kernels.get(str(kd.device), False)
-    ok = kernel and words_ok and same and diff < 1e-6 and abs(mean) < 5 / math.sqrt(n) and abs(std - 1) < 5e-3
-    print(f"device noise: keystream equal to the CPU's {words_ok}; {n} Gaussians, max |GPU - CPU| {diff:.1e}, "
+    ok = kernel and words_ok and same and diff < 1e-6 and normal
+    print(f"device noise: keystream equal to the CPU's {words_ok}; {z.numel()} Gaussians, max |GPU - CPU| {diff:.1e}, "
           f"Triton kernel = torch ops on the device bit for bit {same} ({int((z != ops).sum())} differ), "
-          f"mean {mean:+.1e}, std {std:.5f}; kernel {kernel} (first call {first:.1f} s) "
+          f"{moments}; kernel {kernel} (first call {first:.1f} s) "
           f"{'PASS' if ok else 'FAIL'}", flush=True)
     return ok
 
 
 def check_device_directions(device) -> bool:
     """DPZero's directions from the Triton Philox kernel: a float32 tensor's u equal to the CPU
-    kernel's up to the rounding of log and cos (where the CPU's kernel draws: chunks of at least
+    kernel's within 10⁻⁵ (the GPU's sine and cosine units; where the CPU's kernel draws: chunks of at least
     philox.MIN_CHUNK elements); a whole-tensor sweep equal bit for bit to the same
     u drawn chunk by chunk (the layout follows the CPU's chunks, not the launch); a float16 sweep
     the float32 sum rounded once; and standard normal."""
-    import math
 
     from dpregistry import philox
     from dpregistry.directions import DEVICE_CHUNK, Direction
@@ -222,49 +242,39 @@ def check_device_directions(device) -> bool:
     want = [(0.5 + 1e-2 * u).half() for u in chunked]
     off = sum(int((h != w).sum()) for h, w in zip(half, want))
     worst = max(float((h.float() - w.float()).abs().max()) for h, w in zip(half, want))
-    z = chunked[0]
-    mean, std = float(z.mean()), float(z.std())
-    ok = (kernel and vs_cpu < 1e-5 and same and worst <= 2 ** -11 and abs(mean) < 5 / math.sqrt(z.numel())
-          and abs(std - 1) < 5e-3)
+    normal, moments = _standard_normal(chunked[0])
+    ok = kernel and vs_cpu < 1e-5 and same and worst <= 2 ** -11 and normal
     print(f"directions: Triton kernel {kernel}; float32 u, max |GPU - CPU| {vs_cpu:.1e}; whole-tensor sweep = "
           f"chunk by chunk bit for bit {same}; float16 sweep vs the float32 sum rounded: {off} of "
-          f"{sum(sizes)} differ, by at most {worst:.1e}; mean {mean:+.1e}, std {std:.5f} "
+          f"{sum(sizes)} differ, by at most {worst:.1e}; {moments} "
           f"{'PASS' if ok else 'FAIL'}", flush=True)
     return ok
+
+
+def opt_6_7b_shapes() -> list[tuple[int, ...]]:
+    """OPT-6.7B's 516 parameter tensors (6.66e9 entries; the head is tied to the embeddings)."""
+    h, f, v, layers = 4096, 16384, 50272, 32
+    block = [(h, h), (h,)] * 4 + [(f, h), (f,), (h, f), (h,)] + [(h,)] * 4  # attention, MLP, two layer norms
+    return [(v, h), (2050, h)] + block * layers + [(h,), (h,)]
 
 
 def sweep_timing(device) -> None:
     """One parameter sweep over OPT-6.7B's tensors in float16 (6.66e9 parameters): the Triton
     kernel against torch's generator in chunks (the path before it) and against one read and
     write of the same memory (the physical floor of any sweep), best of 5."""
-    import time
-
     from dpregistry import philox
     from dpregistry.directions import Direction
 
-    h, f, v, layers = 4096, 16384, 50272, 32
-    shapes = [(v, h), (2050, h)] + [s for _ in range(layers) for s in
-                                     [(h, h), (h,)] * 4 + [(f, h), (f,), (h, f), (h,)] + [(h,)] * 4] + [(h,), (h,)]
-    ts = [torch.zeros(s, dtype=torch.float16, device=device) for s in shapes]
+    ts = [torch.zeros(s, dtype=torch.float16, device=device) for s in opt_6_7b_shapes()]
     n = sum(t.numel() for t in ts)
 
-    def best(fn, k=5):
-        out = []
-        for _ in range(k):
-            torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            fn()
-            torch.cuda.synchronize(device)
-            out.append(time.perf_counter() - t)
-        return min(out)
-
     d = Direction(seed=7)
-    floor = best(lambda: torch._foreach_mul_(ts, 1.0))
-    kernel = best(lambda: d.add_(ts, 1e-3))
+    floor = _best(device, lambda: torch._foreach_mul_(ts, 1.0), k=5)
+    kernel = _best(device, lambda: d.add_(ts, 1e-3), k=5)
     saved = philox._kernels.get("cuda")
     philox._kernels["cuda"] = None  # torch's generator, chunk by chunk
     try:
-        generator = best(lambda: d.add_(ts, 1e-3), k=3)
+        generator = _best(device, lambda: d.add_(ts, 1e-3), k=3)
     finally:
         philox._kernels["cuda"] = saved
     gb = 2 * n * 2 / 1e9
@@ -276,7 +286,6 @@ def sweep_timing(device) -> None:
 
 def noise_timing(device) -> None:
     """Secret noise into RoBERTa-large-sized tensors (366M entries) against torch.randn, best of 3."""
-    import time
 
     from dpregistry.privacy import secret
 
@@ -284,18 +293,8 @@ def noise_timing(device) -> None:
     n = sum(t.numel() for t in ts)
     g = torch.Generator(device=device).manual_seed(0)
 
-    def best(fn):
-        out = []
-        for _ in range(3):
-            torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            fn()
-            torch.cuda.synchronize(device)
-            out.append(time.perf_counter() - t)
-        return min(out)
-
-    ours = best(lambda: secret.CipherStream(secret.new_key()).add_noise_(ts, 1.0))
-    randn = best(lambda: [t.add_(torch.randn(t.shape, device=device, generator=g)) for t in ts])
+    ours = _best(device, lambda: secret.CipherStream(secret.new_key()).add_noise_(ts, 1.0))
+    randn = _best(device, lambda: [t.add_(torch.randn(t.shape, device=device, generator=g)) for t in ts])
     print(f"secret noise, {n / 1e6:.0f}M entries: {ours:.3f} s ({ours / n * 1e9:.2f} ns each); "
           f"torch.randn (not secret) {randn:.4f} s; ratio {ours / randn:.1f}", flush=True)
 
