@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,7 +83,7 @@ def test_the_installed_estimator_resumes_bit_for_bit(installed, tmp_path):
     sets = ["--set", "privacy.noise=reproducible", "--set", "train.checkpoint_every=10", "--set",
             "train.keep_checkpoints=10"]
     assert dpreg(site, "run", path, "--out", tmp_path / "a", "-q", *sets).returncode == 0
-    assert dpreg(site, "run", path, "--out", tmp_path / "b", "-q", *sets).returncode == 0
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
     rewind(tmp_path / "b", 20)  # as a crash after step 20 would leave it
     res = dpreg(site, "resume", tmp_path / "b", "-q")
     assert res.returncode == 0, res.stderr[-3000:]
