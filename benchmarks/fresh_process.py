@@ -50,14 +50,13 @@ def import_dpregistry() -> None:
 
     import datasets  # noqa: F401
     import scipy.io  # noqa: F401  (loaded lazily while a run's data is prepared)
+    import torch
 
     import dpregistry
     from dpregistry.registry import ENTRY_POINT_GROUP
 
     packages = [dpregistry] + [importlib.import_module(ep.module.split(".")[0])
                                for ep in entry_points(group=ENTRY_POINT_GROUP)]
-    import torch
-
     for package in packages:
         for m in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}."):
             if m.name.endswith(".__main__"):  # importing it would run the CLI
@@ -73,4 +72,3 @@ def warn_of_window_imports(label: str, imported: list[str]) -> None:
     if imported:
         print(f"warning: {label} imported {len(imported)} modules inside its measured window (their memory "
               f"counts in its peak): {', '.join(imported[:8])}", file=sys.stderr)
-

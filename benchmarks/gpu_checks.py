@@ -164,7 +164,7 @@ def check(name: str, build, dtype_name: str, device, rank=None) -> bool:
     return ok
 
 
-def _best(device, fn, k=3) -> float:
+def best_of(device, fn, k=3) -> float:
     """The shortest of k timed calls of fn, the device synchronised around each."""
     import time
 
@@ -269,12 +269,12 @@ def sweep_timing(device) -> None:
     n = sum(t.numel() for t in ts)
 
     d = Direction(seed=7)
-    floor = _best(device, lambda: torch._foreach_mul_(ts, 1.0), k=5)
-    kernel = _best(device, lambda: d.add_(ts, 1e-3), k=5)
+    floor = best_of(device, lambda: torch._foreach_mul_(ts, 1.0), k=5)
+    kernel = best_of(device, lambda: d.add_(ts, 1e-3), k=5)
     saved = philox._kernels.get("cuda")
     philox._kernels["cuda"] = None  # torch's generator, chunk by chunk
     try:
-        generator = _best(device, lambda: d.add_(ts, 1e-3), k=3)
+        generator = best_of(device, lambda: d.add_(ts, 1e-3), k=3)
     finally:
         philox._kernels["cuda"] = saved
     gb = 2 * n * 2 / 1e9
@@ -293,8 +293,8 @@ def noise_timing(device) -> None:
     n = sum(t.numel() for t in ts)
     g = torch.Generator(device=device).manual_seed(0)
 
-    ours = _best(device, lambda: secret.CipherStream(secret.new_key()).add_noise_(ts, 1.0))
-    randn = _best(device, lambda: [t.add_(torch.randn(t.shape, device=device, generator=g)) for t in ts])
+    ours = best_of(device, lambda: secret.CipherStream(secret.new_key()).add_noise_(ts, 1.0))
+    randn = best_of(device, lambda: [t.add_(torch.randn(t.shape, device=device, generator=g)) for t in ts])
     print(f"secret noise, {n / 1e6:.0f}M entries: {ours:.3f} s ({ours / n * 1e9:.2f} ns each); "
           f"torch.randn (not secret) {randn:.4f} s; ratio {ours / randn:.1f}", flush=True)
 

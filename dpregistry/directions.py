@@ -176,10 +176,10 @@ class Direction:
             else:
                 c.add_(self._draw(i, j, c), alpha=s)
 
-        whole = frozenset(i for i, t in enumerate(tensors) if self.distribution != "rademacher" and philox.takes_whole(t))
+        whole = [i for i, t in enumerate(tensors) if self.distribution != "rademacher" and philox.takes_whole(t)]
         if whole:  # a CUDA GPU's kernel: one launch for all, the same z as chunk by chunk
-            philox.add_tensors_([tensors[i] for i in sorted(whole)], [self._seed(i) for i in sorted(whole)], s)
-        _map(sweep, tensors, self._pooled(tensors), skip=whole)
+            philox.add_tensors_([tensors[i] for i in whole], [self._seed(i) for i in whole], s)
+        _map(sweep, tensors, self._pooled(tensors), skip=frozenset(whole))
 
     def dense(self, tensors: Iterable[torch.Tensor], dtype=None) -> list[torch.Tensor]:
         """Materialise u in the shapes of ``tensors`` (costs d memory: tests and dense lifts only)."""

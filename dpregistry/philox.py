@@ -129,7 +129,7 @@ class _TritonSweep:
         self(torch.zeros(8, device=device), 0, 1.0, 0)  # builds, or raises
 
     def takes(self, chunk: torch.Tensor) -> bool:
-        return chunk.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        return chunk.dtype in self._triton.DTYPES
 
     def __call__(self, chunk: torch.Tensor, seed: int, scale: float, start: int) -> None:
         self._triton.add_([chunk.view(-1)], [seed], scale, [start])
@@ -163,10 +163,15 @@ def _kernel(device: torch.device):
         return _kernels[kind]
 
 
+def key_words(seed: int) -> tuple[int, int]:
+    """A 64-bit seed as Philox's two 32-bit key words."""
+    return seed & _MASK, (seed >> 32) & _MASK
+
+
 def _key(seed: int, start: int, device) -> torch.Tensor:
-    """A 64-bit seed as Philox's two key words, and the chunk's first element (a tensor: one
-    compiled kernel serves every key and chunk)."""
-    return torch.tensor([seed & _MASK, (seed >> 32) & _MASK, start], dtype=torch.int64, device=device)
+    """The seed's key words and the chunk's first element (a tensor: one compiled kernel serves
+    every key and chunk)."""
+    return torch.tensor([*key_words(seed), start], dtype=torch.int64, device=device)
 
 
 def takes(chunk: torch.Tensor) -> bool:

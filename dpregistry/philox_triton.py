@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .philox import LAYOUT
+from .philox import LAYOUT, key_words
 
 BLOCK = 1024      # counters a program (4 · BLOCK elements), on 8 warps: the fastest of six shapes on an H100
 WARPS = 8         # (benchmarks/gpu_kernel_shapes.py: 18.5 ms an OPT-6.7B fp16 sweep; 1024 on 4 warps 24.7)
@@ -94,7 +94,7 @@ def _sweep(units_ptr, keys_ptr, scale, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
         _add(p + 3 * q + r, z3, scale, live & (3 * q + r < size))
 
 
-_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _tables: dict[tuple, torch.Tensor] = {}  # the unit table of a list of tensors (the parameters: built once)
 
 
@@ -117,13 +117,11 @@ def add_(tensors: list, seeds: list, scale: float, starts: list | None = None) -
     starts = starts or [0] * len(tensors)
     if any(s % LAYOUT for s in starts) or len({t.dtype for t in tensors}) > 1:
         raise ValueError("one dtype a call, each tensor from a multiple of LAYOUT elements")
-    live = [i for i, t in enumerate(tensors) if t.numel()]
-    if not live:
+    if not any(t.numel() for t in tensors):  # no layout unit: nothing to launch
         return
-    tensors, seeds, starts = [tensors[i] for i in live], [seeds[i] for i in live], [starts[i] for i in live]
-    units = _units(tensors, starts)
-    keys = torch.tensor([(s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF) for s in seeds], dtype=torch.int64)
+    units = _units(tensors, starts)  # an empty tensor has no row; its key goes unread
+    keys = torch.tensor([key_words(s) for s in seeds], dtype=torch.int64)
     if units.is_cuda:  # from pinned memory: the copy does not wait for the work queued before it
         keys = keys.pin_memory().to(units.device, non_blocking=True)
     grid = (units.shape[0], triton.cdiv(LAYOUT // 4, BLOCK))
-    _sweep[grid](units, keys, scale, DTYPE=_DTYPES[tensors[0].dtype], BLOCK=BLOCK, FAST=FAST, num_warps=WARPS)
+    _sweep[grid](units, keys, scale, DTYPE=DTYPES[tensors[0].dtype], BLOCK=BLOCK, FAST=FAST, num_warps=WARPS)

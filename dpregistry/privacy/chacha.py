@@ -121,16 +121,17 @@ def gaussian_chunk(key: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     device = key.device
     if not compiles_on(device):
         return _chunk(key, start)
-    if str(device) not in _kernels:
+    name = str(device)
+    if name not in _kernels:
         with _lock:
-            if str(device) not in _kernels:
+            if name not in _kernels:
                 say(f"secret noise: building the noise kernel for {device}, once per process")
                 try:
-                    z, _kernels[str(device)] = _triton_chunk(key, start), True
+                    z, _kernels[name] = _triton_chunk(key, start), True
                     return z
                 except Exception as e:  # no Triton, or no compiler for this device
                     warnings.warn(f"secret noise: building the ChaCha20 kernel for {device} failed "
                                   f"({type(e).__name__}); the noise is drawn by torch ops, slower",
                                   RuntimeWarning, stacklevel=2)
-                    _kernels[str(device)] = False
-    return _triton_chunk(key, start) if _kernels[str(device)] else _chunk(key, start)
+                    _kernels[name] = False
+    return _triton_chunk(key, start) if _kernels[name] else _chunk(key, start)

@@ -30,19 +30,21 @@ _ANGLE = struct.unpack("<q", struct.pack("<d", math.pi * 2.0 ** -63))[0]  # its 
 
 
 @triton.jit
+def _rotl(x, n: tl.constexpr):
+    return (x << n) | (x >> (32 - n))
+
+
+@triton.jit
 def _quarter(a, b, c, d):
+    """RFC 8439 §2.1 on uint32 words (``chacha._quarter`` in torch's masked int64)."""
     a = a + b
-    d = d ^ a
-    d = (d << 16) | (d >> 16)
+    d = _rotl(d ^ a, 16)
     c = c + d
-    b = b ^ c
-    b = (b << 12) | (b >> 20)
+    b = _rotl(b ^ c, 12)
     a = a + b
-    d = d ^ a
-    d = (d << 8) | (d >> 24)
+    d = _rotl(d ^ a, 8)
     c = c + d
-    b = b ^ c
-    b = (b << 7) | (b >> 25)
+    b = _rotl(b ^ c, 7)
     return a, b, c, d
 
 
