@@ -287,7 +287,10 @@ class CipherStream(SecretStream):
 
         def add(start, z):
             for piece, part in _spans(flats, ends, start, z * std):
-                piece.copy_(piece.double() + part)  # summed in float64, rounded once
+                # one kernel a span: in-place add with a float64 operand sums in float64 and rounds
+                # once to the piece's dtype (``copy_(piece.double() + part)`` took three and two
+                # temporaries, on a GPU step of ~390 tensors host-bound launches)
+                piece.add_(part)
 
         if n >= chacha.MIN_DRAW:
             self._device_chunks(n, device, add)
