@@ -62,17 +62,20 @@ def summary(out: Path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Straight 1- and 2-process runs of the ZO and first-order recipes."""
+    """Straight 1- and 2-process runs of the ZO and first-order recipes, the four at once (each
+    process has one thread; their imports would leave a core idle one after the other)."""
     root = tmp_path_factory.mktemp("dist")
-    out = {}
+    out, procs = {}, []
     for name, text in (("zo", ZO), ("fo", FO)):
         recipe = root / f"{name}.yaml"
         recipe.write_text(text)
-        for n in (1, 2):
-            res = dpreg("run", recipe, "--out", root / f"{name}{n}", "-q", nproc=n)
-            assert res.returncode == 0, res.stderr[-3000:]
-            out[name, n] = root / f"{name}{n}"
         out[name] = recipe
+        for n in (1, 2):
+            out[name, n] = root / f"{name}{n}"
+            procs.append(dpreg("run", recipe, "--out", out[name, n], "-q", nproc=n, popen=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
     return root, out
 
 
@@ -136,12 +139,14 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
-def test_a_killed_rank_stops_the_run_and_resume_finishes_it(runs, tmp_path):
+def test_a_killed_rank_stops_the_run_and_resume_finishes_it(runs, tmp_path, request):
     root, out = runs
     long = root / "long.yaml"
     long.write_text(ZO.replace("steps: 20", "steps: 3000").replace("checkpoint_every: 5", "checkpoint_every: 100")
                     .replace("sync_check_every: 1", "sync_check_every: 50"))
-    run_dir = tmp_path / "run"
+    run_dir, straight = tmp_path / "run", tmp_path / "straight"
+    straight_run = dpreg("run", long, "--out", straight, "-q", popen=True)  # one thread, alongside
+    request.addfinalizer(straight_run.kill)  # a no-op once it has finished
     proc = dpreg("run", long, "--out", run_dir, "-q", nproc=2, popen=True)
     deadline = time.time() + 120
     while time.time() < deadline and len(ckpt.list_checkpoints(run_dir / "checkpoints")) < 2:
@@ -157,8 +162,8 @@ def test_a_killed_rank_stops_the_run_and_resume_finishes_it(runs, tmp_path):
     assert 0 < meta["step"] < 3000
     res = dpreg("resume", run_dir, "-q")
     assert res.returncode == 0, res.stderr[-3000:]
-    straight = tmp_path / "straight"
-    assert dpreg("run", long, "--out", straight, "-q").returncode == 0
+    _, err = straight_run.communicate(timeout=600)
+    assert straight_run.returncode == 0, err[-3000:]
     a, b = model(straight), model(run_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert summary(run_dir)["epsilon"] == summary(straight)["epsilon"]
