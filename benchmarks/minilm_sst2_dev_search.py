@@ -107,29 +107,41 @@ def pld_noise_multiplier(q: float, steps: int, epsilon: float, delta: float, rel
     return acc.calibrate(lambda z: [Charge(PoissonSampled(q, Gaussian(std=z, sensitivity=sens)), count=steps)])
 
 
-def zero_shot(recipe: str, sets: list[str], pairs: list[str], out: Path) -> None:
-    """Step-0 dev accuracy of label-description heads (``--descriptions "NEG|POS"``): the dev
-    sentences are encoded once; each pair is then the recipe's head (scaled cosine to the
-    descriptions' embeddings, as ``head_init: label_descriptions`` builds it) on those features."""
+def zero_shot_accuracies(obj, pairs: list[str]) -> list[float]:
+    """The held-out accuracy of each "NEG|POS" pair's label-description head on ``obj``'s (a
+    prepared MiniLM objective's) held-out sentences, encoded once; each head is the recipe's
+    (scaled cosine to the descriptions' embeddings, as ``head_init: label_descriptions`` builds it).
+    A side "A;B" averages several descriptions' normalised embeddings (an ensemble of prompts)."""
     import torch
     import torch.nn.functional as F
 
+    with torch.no_grad():
+        n = len(obj.test_tok)
+        feats = torch.cat([F.normalize(obj.model.pool(*obj._pad(obj.test_tok.take(range(s, min(s + 128, n))))), dim=-1)
+                           for s in range(0, n, 128)])
+        accs = []
+        for pair in pairs:
+            sides = []
+            for side in pair.split("|"):  # "A;B": the mean of the descriptions' normalised embeddings
+                ids = obj.tokenizer(side.split(";"), truncation=True, max_length=obj.cfg.model.max_length)["input_ids"]
+                sides.append(F.normalize(obj.model.pool(*obj._pad(ids)), dim=-1).mean(0))
+            head = F.normalize(torch.stack(sides), dim=-1)
+            accs.append(float(((feats @ head.T).argmax(-1) == obj.y_test).float().mean()))
+    return accs
+
+
+def zero_shot(recipe: str, sets: list[str], pairs: list[str], out: Path) -> None:
+    """Step-0 dev accuracy of label-description heads (``--descriptions "NEG|POS"``)."""
     from dpregistry.api import load_recipe
     from dpregistry.run import Run
 
     obj = Run(load_recipe(recipe, sets)).prepare().objective
-    with torch.no_grad():
-        feats = torch.cat([F.normalize(obj.model.pool(*obj._pad(obj.test_tok[s:s + 128])), dim=-1)
-                           for s in range(0, len(obj.test_tok), 128)])
-        for pair in pairs:
-            desc = pair.split("|")
-            ids = obj.tokenizer(desc, truncation=True, max_length=obj.cfg.model.max_length)["input_ids"]
-            head = F.normalize(obj.model.pool(*obj._pad(ids)), dim=-1)
-            acc = float(((feats @ head.T).argmax(-1) == obj.y_test).float().mean())
-            row = {"recipe": recipe, "label_descriptions": desc, "dev_accuracy": acc, "dev_rows": len(feats)}
-            print(json.dumps(row), flush=True)
-            with open(out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+    for pair, acc in zip(pairs, zero_shot_accuracies(obj, pairs)):
+        row = {"recipe": recipe, "label_descriptions": pair.split("|"), "dev_accuracy": acc,
+               "dev_rows": len(obj.test_tok)}
+        print(json.dumps(row), flush=True)
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def main() -> None:
@@ -144,7 +156,8 @@ def main() -> None:
     ap.add_argument("--out", default="runs/minilm_sst2_dev_search.jsonl")
     ap.add_argument("--shard", default="0/1", help="i/n: run every n-th configuration from the i-th")
     ap.add_argument("--descriptions", nargs="+", default=None,
-                    help='"NEG|POS" label-description pairs: score their zero-shot heads instead of training')
+                    help='"NEG|POS" label-description pairs ("N1;N2|P1;P2" averages several): score their '
+                         'zero-shot heads instead of training')
     ap.add_argument("--fix-sigma", action="store_true",
                     help="set the PLD-calibrated noise multiplier explicitly and account with RDP without a target "
                          "(the same noise as accountant: pld at the budget, without the in-run PLD cost)")
