@@ -38,8 +38,10 @@ Memory: each (method, batch) runs in a fresh process. After the method's librari
 the kernel's peak-RSS counter (``/proc/self/clear_refs``), builds the model, takes two steps
 (Adam's state exists from the first update) and reads VmHWM: peak = VmHWM − the RSS after the
 imports, i.e. model, optimizer state, activations, per-example buffers and what glibc's heap keeps
-of freed memory (run with ``MALLOC_MMAP_THRESHOLD_=1048576`` to give it back: the children inherit
-the environment, and the report's header names the setting). On a GPU (``--device cuda``):
+of freed memory. Every child, whatever its method, keeps freed memory for its next step as a
+dpregistry run on a CPU does (``dpregistry/heap.py``), unless the environment tunes glibc (run with
+``MALLOC_MMAP_THRESHOLD_=1048576`` to give every large block back: the children inherit the
+environment, and the report's header names the setting). On a GPU (``--device cuda``):
 torch.cuda.max_memory_allocated.
 
 Largest batch in a memory budget: the largest batch of the sweep whose measured peak fits, then
@@ -290,6 +292,16 @@ def _sync(device: str) -> None:
 # -- the two kinds of child process ---------------------------------------------------------------
 
 
+def same_heap_as_a_run(device: str) -> None:
+    """Every method's child keeps freed memory for its next step, as a dpregistry run on a CPU does
+    (``dpregistry/heap.py``; glibc's defaults return it and fault it back in), unless the
+    environment tunes glibc itself, which the children inherit."""
+    if device == "cpu":
+        from dpregistry import heap
+
+        heap.keep_freed_memory()
+
+
 def memory_child(method: str, model: str, B: int, device: str) -> dict:
     """Peak memory of two steps of ``method`` in this fresh process."""
     import torch
@@ -297,6 +309,7 @@ def memory_child(method: str, model: str, B: int, device: str) -> dict:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(int(os.environ.get("GRAPE_BENCH_THREADS", "2")))
     import_libraries(method)
+    same_heap_as_a_run(device)
     cuda = device != "cpu"
     base = status_kib("VmRSS")
     reset_peak_rss()
@@ -316,6 +329,7 @@ def time_child(methods: list[str], model: str, B: int, device: str, rounds: int)
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(int(os.environ.get("GRAPE_BENCH_THREADS", "2")))
+    same_heap_as_a_run(device)
     steps = {}
     for m in methods:
         steps[m], _ = make_step(m, model, B, device)
@@ -456,6 +470,8 @@ def main() -> None:
     glibc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     if glibc:  # the children inherit it: e.g. MALLOC_MMAP_THRESHOLD_ gives every large tensor its own mapping
         say(f"# glibc malloc settings: {' '.join(f'{k}={v}' for k, v in sorted(glibc.items()))}")
+    elif a.device == "cpu":
+        say("# glibc: every method keeps freed memory for its next step, as a CPU run does (dpregistry/heap.py)")
     for model in a.models:
         _, _, rank, budget = MODELS[model]
         T = sequence(model)
