@@ -4,9 +4,9 @@ Every step frees and allocates the same activation-sized blocks. With glibc's de
 of the heap goes back to the system once it passes the trim threshold, and the next step faults
 those pages in again, zeroed by the kernel. A DP step, whose per-layer state keeps the top of the
 heap in use while autograd frees blocks below it, trims and faults back more than plain training:
-on ViT at B = 128 (2 cores) DP-Adam's step took 4.6 s with glibc's defaults against 3.5–3.9 s with
-the settings below (Adam 3.05 against 2.9–3.0 s), and the peaks were no higher (README, "Memory on
-a CPU").
+on ViT at B = 128 (2 cores) DP-Adam's step took 3.7–4.6 s with glibc's defaults against 3.4–3.5 s
+with the settings below (Adam 2.9–3.05 s either way), and the peaks stayed within glibc's
+run-to-run spread (README, "Memory on a CPU").
 
 ``keep_freed_memory`` sets, once a process, on Linux with glibc (``mallopt``):
 
@@ -16,7 +16,7 @@ a CPU").
   at its 128 KiB start, which would give every tensor above that a mapping of its own to fault in
   and unmap; 32 MiB is as high as the adaptive threshold goes.
 
-A process whose environment sets any of glibc's ``MALLOC_*_`` tuning variables keeps what it asked
+A process whose environment sets any of glibc's ``MALLOC_*`` tuning variables keeps what it asked
 for (``MALLOC_MMAP_THRESHOLD_=1048576`` gives the lowest peak, at 1.25–1.5 × the step time).
 """
 
