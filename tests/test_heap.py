@@ -18,8 +18,9 @@ def rss():
         if line.startswith("VmRSS"):
             return int(line.split()[1]) / 1024
 applied = heap.keep_freed_memory() if {apply} else False
+torch.ones(1 << 10).sum()  # torch's first op sets up what it keeps (thread pools), outside the window
 before = rss()
-t = torch.ones(5 << 20)  # 20 MiB, touched
+t = torch.ones(6 << 20)  # 24 MiB, touched
 held = rss()
 del t
 print(json.dumps({{"applied": applied, "held": held - before, "kept": rss() - before}}))
@@ -35,9 +36,9 @@ def _probe(apply: bool, **env) -> dict:
 
 def test_a_freed_block_stays_for_the_next_step_where_glibcs_default_returns_it():
     default, kept = _probe(False), _probe(True)
-    assert default["held"] > 18 and kept["held"] > 18
-    assert default["kept"] < 4       # glibc mapped the block on its own and unmapped it
-    assert kept["applied"] and kept["kept"] > 18  # in the heap, kept for reuse
+    assert default["held"] > 23 and kept["held"] > 23
+    assert default["kept"] < default["held"] / 2  # glibc mapped the block on its own and unmapped it
+    assert kept["applied"] and kept["kept"] > 0.95 * kept["held"]  # in the heap, kept for reuse
 
 
 def test_glibc_tuning_in_the_environment_is_left_as_the_user_set_it(monkeypatch):
