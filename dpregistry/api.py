@@ -237,7 +237,9 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
     :mod:`dpregistry.own`); the recipe then holds only the stages, the budget and the schedule.
     ``users``: the user of each training example, for ``privacy.unit: user`` (:mod:`dpregistry.users`).
     ``verbose``: progress bars (terminal or notebook) while it trains. A run stopped by SIGINT or
-    SIGTERM raises :class:`Stopped` or :class:`Terminated` once it has saved what it spent."""
+    SIGTERM raises :class:`Stopped` or :class:`Terminated` once it has saved what it spent.
+    On a CPU with glibc, the process keeps freed memory for reuse from then on (:mod:`dpregistry.heap`;
+    set any ``MALLOC_*`` variable in the environment to keep glibc's own behaviour)."""
     from .folder import check_out, claim, start_run
     from .run import Run
 
