@@ -116,9 +116,7 @@ def zero_shot_accuracies(obj, pairs: list[str]) -> list[float]:
     import torch.nn.functional as F
 
     with torch.no_grad():
-        n = len(obj.test_tok)
-        feats = torch.cat([F.normalize(obj.model.pool(*obj._pad(obj.test_tok.take(range(s, min(s + 128, n))))), dim=-1)
-                           for s in range(0, n, 128)])
+        feats = obj.encode(obj.test_tok)  # the head's inputs: normalised pooled features (label-description head)
         accs = []
         for pair in pairs:
             sides = []
