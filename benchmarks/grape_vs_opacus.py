@@ -467,7 +467,9 @@ def main() -> None:
     say(f"# python benchmarks/grape_vs_opacus.py {' '.join(sys.argv[1:])}")
     say(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.2f} at start, {os.environ.get('GRAPE_BENCH_THREADS', '2')} torch threads, {a.device}")
-    glibc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    from dpregistry import heap
+
+    glibc = heap.tuned_by_environment()
     if glibc:  # the children inherit it: e.g. MALLOC_MMAP_THRESHOLD_ gives every large tensor its own mapping
         say(f"# glibc malloc settings: {' '.join(f'{k}={v}' for k, v in sorted(glibc.items()))}")
     elif a.device == "cpu":

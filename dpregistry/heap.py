@@ -16,8 +16,8 @@ run-to-run spread (README, "Memory on a CPU").
   at its 128 KiB start, which would give every tensor above that a mapping of its own to fault in
   and unmap; 32 MiB is as high as the adaptive threshold goes.
 
-A process whose environment sets any of glibc's ``MALLOC_*`` tuning variables keeps what it asked
-for (``MALLOC_MMAP_THRESHOLD_=1048576`` gives the lowest peak, at 1.25–1.5 × the step time).
+A process whose environment tunes glibc's malloc (any ``MALLOC_*`` variable, or ``glibc.malloc``
+in ``GLIBC_TUNABLES``) keeps what it asked for (``MALLOC_MMAP_THRESHOLD_=1048576`` gives the lowest peak, at 1.25–1.5 × the step time).
 """
 
 from __future__ import annotations
@@ -29,11 +29,15 @@ import threading
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 SETTINGS = {_M_TRIM_THRESHOLD: (1 << 31) - 1, _M_TOP_PAD: 256 << 20, _M_MMAP_THRESHOLD: 32 << 20}
-USER_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_",
-                  "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST")
 
 _lock = threading.Lock()
 _applied: bool | None = None  # settled by the first call of a process
+
+
+def tuned_by_environment() -> dict[str, str]:
+    """The user's own glibc malloc settings in the environment (``MALLOC_*``, ``GLIBC_TUNABLES``)."""
+    return {k: v for k, v in os.environ.items()
+            if k.startswith("MALLOC_") or (k == "GLIBC_TUNABLES" and "glibc.malloc." in v)}
 
 
 def keep_freed_memory() -> bool:
@@ -43,8 +47,7 @@ def keep_freed_memory() -> bool:
     with _lock:
         if _applied is None:
             _applied = False
-            if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc" and \
-                    not any(v in os.environ for v in USER_VARIABLES):
+            if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc" and not tuned_by_environment():
                 mallopt = ctypes.CDLL(None).mallopt
                 _applied = all(mallopt(param, value) == 1 for param, value in SETTINGS.items())
         return _applied
