@@ -28,8 +28,12 @@ print(json.dumps({{"applied": applied, "held": held - before, "kept": rss() - be
 
 
 def _probe(apply: bool, **env) -> dict:
+    """The probe in a process with glibc's defaults (none of the environment's malloc tuning) plus ``env``."""
+    from dpregistry import heap
+
+    tuned = heap.tuned_by_environment()
     out = subprocess.run([sys.executable, "-c", PROBE.format(apply=apply)], capture_output=True, text=True,
-                         env={**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}, **env})
+                         env={**{k: v for k, v in os.environ.items() if k not in tuned}, **env})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.splitlines()[-1])
 
