@@ -87,6 +87,11 @@ from .spaces import Aggregate, DenseAggregate, DenseContribution, acc_dtype, _ma
 # ------------------------------------------------------------------------------------------
 
 
+def _per_row(x: torch.Tensor) -> torch.Tensor:
+    """[B, ...] -> [B, n] (a scalar parameter's per-example gradients [B] included)."""
+    return x.reshape(x.shape[0], -1)
+
+
 def _flat3(x: torch.Tensor) -> torch.Tensor:
     """[B, ..., F] -> [B, T, F]."""
     return x.reshape(x.shape[0], -1, x.shape[-1])
@@ -229,7 +234,7 @@ Piece = Any
 
 
 def _piece_sq(x: Piece) -> torch.Tensor:
-    return x.flatten(1).pow(2).sum(1) if isinstance(x, torch.Tensor) else x.sq_norms()
+    return _per_row(x).pow(2).sum(1) if isinstance(x, torch.Tensor) else x.sq_norms()
 
 
 def _piece_weighted(x: Piece, w: torch.Tensor) -> torch.Tensor:
@@ -290,7 +295,7 @@ _DOTS = {
     (0, 2): lambda x, y: _rows_dot_dense(x, _dense(y).reshape(x.ids.shape[0], x.num_rows, -1)),
     (1, 1): _factors_dot_factors,
     (1, 2): lambda x, y: _factors_dot_dense(x, _dense(y).reshape(x.u.shape[0], x.u.shape[2], x.v.shape[2])),
-    (2, 2): lambda x, y: (_dense(x).flatten(1) * _dense(y).flatten(1)).sum(1),
+    (2, 2): lambda x, y: (_per_row(_dense(x)) * _per_row(_dense(y))).sum(1),
 }
 
 
@@ -349,7 +354,7 @@ def _piece_device(x: Piece) -> torch.device:
 def _sq_of_sum(pieces: list[Piece]) -> torch.Tensor:
     """‖Σ_k piece_k‖² = Σ_k ‖piece_k‖² + 2 Σ_{k<l} ⟨piece_k, piece_l⟩ per example."""
     if len(pieces) > MAX_CROSS_PIECES:
-        total = sum(_piece_per_example(p).flatten(1) for p in pieces)
+        total = sum(_per_row(_piece_per_example(p)) for p in pieces)
         return total.pow(2).sum(1)
     terms = [_piece_sq(p) for p in pieces]
     terms += [2 * piece_dot(pieces[k], pieces[l]) for k in range(len(pieces)) for l in range(k)]
@@ -569,29 +574,34 @@ class FunctionalHandler(LayerHandler):
 
     def _vmap(self, use):
         from torch.func import functional_call, grad, vmap
+        from torch.utils._pytree import tree_flatten, tree_unflatten
 
         m = use.module
         own = dict(m.named_parameters(recurse=False))
         fixed = {k: p.detach() for k, p in own.items() if k not in use.keys}
         B = use.g.shape[0]
-        batched = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == B for x in use.args]
-        kw_names = [k for k, x in use.kwargs.items() if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == B]
+        # every tensor whose dimension 0 is the batch is split per example, nested ones (a tuple, a
+        # dict of inputs) included: one passed whole would let example i's "gradient" read the others'
+        leaves, spec = tree_flatten((use.args, use.kwargs))
+        batched = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == B for x in leaves]
+        name = type(m).__name__
 
-        def one(params, args_b, kw_b, g):
-            args = list(use.args)
-            for j, x in zip([j for j, b in enumerate(batched) if b], args_b):
-                args[j] = x.unsqueeze(0)
-            kwargs = dict(use.kwargs)
-            kwargs.update({k: x.unsqueeze(0) for k, x in zip(kw_names, kw_b)})
+        def one(params, leaves_b, g):
+            it = iter(leaves_b)
+            args, kwargs = tree_unflatten([next(it).unsqueeze(0) if b else x for x, b in zip(leaves, batched)], spec)
             out = functional_call(m, {**fixed, **params}, tuple(args), kwargs)
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != (1, *g.shape):
+                raise UserError(f"per-example gradients: layer {name} run on one example's inputs gives an output of "
+                                f"shape {tuple(getattr(out, 'shape', ()))}, not one row of its output "
+                                f"{(B, *g.shape)}: some input of the batch reaches it in another layout, and its "
+                                "per-example gradient would read other examples")
             return (out.to(g.dtype) * g.unsqueeze(0)).sum()
 
         detached = {k: own[k].detach() for k in use.keys}
-        args_b = tuple(x for x, b in zip(use.args, batched) if b)
-        kw_b = tuple(use.kwargs[k] for k in kw_names)
+        leaves_b = tuple(x for x, b in zip(leaves, batched) if b)
         g = use.g.to(acc_dtype(use.g.dtype))
         with torch.enable_grad():
-            grads = vmap(grad(one), in_dims=(None, 0, 0, 0))(detached, args_b, kw_b, g)
+            grads = vmap(grad(one), in_dims=(None, 0, 0))(detached, leaves_b, g)
         return {k: v.to(acc_dtype(v.dtype)) for k, v in grads.items()}
 
 
@@ -621,15 +631,23 @@ def check_forward_is_pure(model: nn.Module) -> None:
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
             raise UserError(f"embedding {name or '<root>'} has max_norm, which renormalises the rows of each "
                             "batch's ids in place (a non-private release of the batch); remove max_norm")
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not m.track_running_stats):
+            raise UserError(f"{type(m).__name__} {name or '<root>'} normalises with the statistics of the batch "
+                            f"({'training mode' if m.training else 'track_running_stats=False'}): every example's "
+                            "output then depends on the others (and, in training mode, the running statistics "
+                            "record the private batch), so clipping one example's gradient would not bound its "
+                            "influence. Put the model in eval mode with running statistics, or use GroupNorm or "
+                            "LayerNorm")
 
 
 def _check_supported(name: str, module: nn.Module) -> None:
     if isinstance(module, nn.Embedding) and type(module) is nn.Embedding and module.scale_grad_by_freq:
         raise UserError(f"per-example gradients: embedding {name} uses scale_grad_by_freq, which mixes the "
                         "examples of a batch; disable it")
-    if type(module) in (nn.Conv1d, nn.Conv2d) and (isinstance(module.padding, str) or module.groups != 1):
-        raise UserError(f"per-example gradients: {type(module).__name__} {name} with groups or string padding "
-                        "is not supported")
+    if type(module) in (nn.Conv1d, nn.Conv2d) and (isinstance(module.padding, str) or module.groups != 1
+                                                    or module.padding_mode != "zeros"):
+        raise UserError(f"per-example gradients: {type(module).__name__} {name} with groups, string padding or "
+                        f"padding_mode other than 'zeros' is not supported")
 
 
 def _accounting_layers(model: nn.Module, params: dict[str, torch.Tensor]):
@@ -1110,10 +1128,26 @@ class GradSampler:
         n = min(2, n_train)
         if n == 0:
             return
-        with _random_state_kept(next(iter(self.params.values())).device):
+        device = next(iter(self.params.values())).device
+        with _random_state_kept(device):
             with torch.enable_grad(), self.capture(n):
                 losses = losses_of(torch.arange(n))
             self.contribution(losses).backward()
+        if n == 2:
+            with _random_state_kept(device), torch.no_grad():
+                alone = losses_of(torch.arange(1))
+            self._check_independent(losses.detach()[0], alone.reshape(-1)[0])
+
+    def _check_independent(self, together: torch.Tensor, alone: torch.Tensor) -> None:
+        """Example 0's loss must not depend on example 1 (the layout check sees backprops only, so
+        a layer that mixes examples before the first hooked layer, batch statistics say, would pass
+        it): such a forward lets one record move every other's gradient, past any clipping."""
+        tol = max(1e-4, 64 * torch.finfo(together.dtype).eps) * (1 + float(together.abs()))
+        if bool(torch.isfinite(together)) and not float((together - alone.to(together.dtype)).abs()) <= tol:
+            raise UserError(f"per-example gradients: the first training example's loss is {float(together):.6g} "
+                            f"beside the second and {float(alone):.6g} alone; the forward mixes the examples of a "
+                            "batch (batch statistics, a sum over dimension 0, attention across the batch), so "
+                            "clipping one example's gradient would not bound its influence")
 
     def contribution(self, losses: torch.Tensor, cls: type | None = None, **extra) -> "HookContribution":
         """The lazy contribution of Σ_i loss_i (non-finite losses are masked out). Its backward runs

@@ -57,9 +57,13 @@ def key_from_env(text: str | None) -> bytes:
 
 
 class RunRNG:
-    def __init__(self, seed: int, mode: str = "secure", key: bytes | None = None):
+    def __init__(self, seed: int, mode: str = "secure", key: bytes | None = None, run: str = ""):
         """``key``: the secret key of a secure run shared by rank 0 (default: a fresh one), or of
-        a keyed run (default: from DPREG_NOISE_KEY)."""
+        a keyed run (default: from DPREG_NOISE_KEY). ``run``: what identifies the run beside its
+        seed (the recipe's hash); a keyed run's streams are keyed by HMAC(key, seed, run), so two
+        runs under one key that differ in seed or recipe draw independent noise and batches (the
+        same noise on two releases would cancel in their difference). Runs that differ only in
+        data the recipe does not name (``dpregistry.train``'s own data) still need a key each."""
         if mode not in NOISE_MODES:
             raise ValueError(f"noise mode {mode!r}")
         self.seed = int(seed)
@@ -67,7 +71,7 @@ class RunRNG:
         if mode == "secure":
             self._key = key or new_key()
         elif mode == "keyed":
-            self._key = key or key_from_env(os.environ.get(NOISE_KEY_ENV))
+            self._key = subkey(key or key_from_env(os.environ.get(NOISE_KEY_ENV)), "dpregistry-run", self.seed, run)
         else:
             self._key = None
 

@@ -44,7 +44,7 @@ class Run:
         self.unit = p.unit
         self.target = Budget(p.epsilon, p.delta, p.rho, p.relation)  # what the recipe asked, in its unit
         try:
-            self.rng = RunRNG(recipe.seed, p.noise)
+            self.rng = RunRNG(recipe.seed, p.noise, run=recipe.hash)
         except UserError as e:
             raise recipe.error(e.message, "privacy", "noise") from None
         try:

@@ -464,3 +464,34 @@ def test_a_small_draw_on_a_device_comes_from_the_hosts_stream():
     z = 2.0 * secret.CipherStream(key).randn((51,), dtype=torch.float64)
     _assert_laid_end_to_end(ts, 0.5, z)
     assert stream.device_position == 0 and stream.position == 52  # no ChaCha20 block; an AES block per output, rounded up to even
+
+
+def test_keyed_runs_with_another_seed_or_recipe_draw_independent_noise():
+    """One key, two runs: the same noise on two releases would cancel in their difference and give
+    away the difference of the clipped sums, so a keyed run's streams are keyed by the run too."""
+    key = key_from_env(KEY)
+    a = RunRNG(7, "keyed", key=key, run="recipe-a").noise(3).randn((1000,))
+    assert torch.equal(a, RunRNG(7, "keyed", key=key, run="recipe-a").noise(3).randn((1000,)))
+    for other in (RunRNG(8, "keyed", key=key, run="recipe-a"), RunRNG(7, "keyed", key=key, run="recipe-b")):
+        b = other.noise(3).randn((1000,))
+        assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 0.15
+        assert not torch.equal(other.secret("poisson", 3).uniform(64), RunRNG(7, "keyed", key=key, run="recipe-a")
+                               .secret("poisson", 3).uniform(64))
+
+
+def test_a_forked_child_draws_noise_without_its_parents_threads():
+    """A child forked after the parent drew on the thread pool has the pool but none of its threads:
+    a draw of several chunks waited on them for ever."""
+    import os
+    import signal
+
+    from dpregistry.privacy.secret import CHUNK, CipherStream
+
+    CipherStream(bytes(32)).randn(3 * CHUNK)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        signal.alarm(30)
+        ok = torch.equal(CipherStream(bytes(32)).randn(3 * CHUNK), CipherStream(bytes(32)).randn(3 * CHUNK))
+        os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

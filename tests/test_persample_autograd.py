@@ -83,7 +83,7 @@ def clipped(model, objective, n, grape=None, micro=None, passes=1, embeddings=Fa
         for name, pr in est.current.items():
             P = pr.matrix(dtype=torch.float64)
             ref[name] = P.T @ ref[name] if pr.side == "left" else ref[name] @ P
-    ref_norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in ref.values()))
+    ref_norms = torch.sqrt(sum(g.reshape(n, -1).pow(2).sum(1) for g in ref.values()))
     norms = torch.cat([c.norms() for c in contribs])
     torch.testing.assert_close(norms, ref_norms, rtol=RTOL, atol=ATOL)
 
@@ -528,3 +528,85 @@ def test_dp_grape_projects_embedding_tables_where_the_selection_lets_it(passes):
     handlers = {type(h).__name__ for _, h, local in est.sampler.layers if set(local.values()) & {"tall.weight",
                                                                                                  "wide.weight"}}
     assert handlers == {"ProjectedEmbeddingHandler"}
+
+
+# ------------------------------------------------------------------------------------------
+# models a review broke the bound with (2026-11-26): each example's clipped gradient must be its own
+
+
+class PairGate(nn.Module):
+    """A layer without a handler of its own (the vmap fallback) whose inputs come nested: a tuple
+    and a dict of batch tensors. Passed whole to each example's call, they made its "per-example"
+    gradient read every example of the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        self.temperature = nn.Parameter(torch.tensor(1.5))  # a 0-dim parameter: per-example gradients [B]
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, pair, extra):
+        a, b = pair
+        return self.lin(a * self.scale + b * extra["w"]) * self.temperature
+
+
+class NestedInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.head = PairGate(), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.gate((x, x.flip(-1)), {"w": x.pow(2)})).squeeze(-1)
+
+
+def regression(model, n, shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X, Y = torch.randn(n, *shape, generator=g), torch.randn(n, generator=g)
+    return Objective(model, lambda idx: (model(X[idx]) - Y[idx]).pow(2), n)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_fallback_layer_with_nested_inputs_gets_each_examples_own_gradient(passes):
+    torch.manual_seed(0)
+    model = NestedInputs()
+    check(model, regression(model, 6, (4,)), 6, passes=passes)
+
+
+class Centred(nn.Module):
+    """Subtracts the batch mean before the first hooked layer: every example's input (and so its
+    gradient) depends on the others', which the backprop layout check cannot see."""
+
+    def __init__(self, norm: nn.Module | None = None):
+        super().__init__()
+        self.norm, self.lin = norm, nn.Linear(4, 1)
+
+    def forward(self, x):
+        x = self.norm(x) if self.norm is not None else x - x.mean(0, keepdim=True)
+        return self.lin(x).squeeze(-1)
+
+
+@pytest.mark.parametrize("norm, match", [
+    (None, "mixes the examples of a batch"),
+    (nn.BatchNorm1d(4, track_running_stats=False), "statistics of the batch"),
+    (nn.BatchNorm1d(4).train(), "statistics of the batch"),
+])
+def test_a_forward_that_mixes_examples_before_any_hooked_layer_is_refused(norm, match):
+    model = Centred(norm)
+    if norm is not None:
+        norm.train(norm.training)  # the model's eval() is not called here: the layer's mode stands
+    with pytest.raises(UserError, match=match):
+        setup(model, regression(model, 6, (4,)))
+
+
+def test_batch_norm_with_running_statistics_in_eval_mode_is_per_example():
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4)
+    norm.running_mean.normal_(), norm.running_var.uniform_(0.5, 2.0)
+    model = Centred(norm).eval()
+    check(model, regression(model, 6, (4,)), 6)
+
+
+def test_a_convolution_padded_other_than_with_zeros_is_refused():
+    model = nn.Sequential(nn.Conv1d(2, 2, 3, padding=1, padding_mode="reflect"), nn.Flatten(0))
+    with pytest.raises(UserError, match="padding_mode"):
+        setup(model, Objective(model, lambda idx: model(torch.randn(len(idx), 2, 5)), 4))

@@ -162,6 +162,14 @@ class _Pool:
 _POOL = _Pool()
 
 
+def _forget_pool() -> None:  # a forked child has none of its parent's threads (their pool would hang)
+    global _POOL
+    _POOL = _Pool()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _spans(flats: list, ends: list[int], start: int, z):
     """(piece of a tensor, its part of z) for the chunk z of the stream that starts at ``start``,
     the stream laid end to end over ``flats`` (``ends``: their cumulative sizes)."""
