@@ -68,6 +68,7 @@ lost or counted twice.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import Counter
 from contextlib import contextmanager, nullcontext
@@ -137,18 +138,44 @@ def ghost_norm_cheaper(T: int, p: int, q: int) -> bool:
     return T * T <= p * q
 
 
-def _linear_weight_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """‖g_iᵀ a_i‖²_F per example, for a [B, T, in] and g [B, T, out], without forming g_iᵀa_i
-    when the ghost norm is cheaper (T² ≤ in·out)."""
+def _linear_weight_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """‖g_iᵀ a_i‖²_F per example for a [B, T, in] and g [B, T, out], without forming g_iᵀa_i when
+    the ghost norm is cheaper (T² ≤ in·out), in float64, with a bound on its rounding error
+    (see ``_sq_bound``)."""
     B, T, fin = a.shape
     fout = g.shape[-1]
-    if T == 1:
-        return a.pow(2).sum((1, 2)) * g.pow(2).sum((1, 2))
+    u = _roundoff(a.dtype)
+    if T == 1:  # ‖g‖²‖a‖²: no term cancels another
+        sq = a.pow(2).sum((1, 2), dtype=torch.float64) * g.pow(2).sum((1, 2), dtype=torch.float64)
+        return sq, 4 * u * sq
     if ghost_norm_cheaper(T, fin, fout):
         aa = torch.bmm(a, a.transpose(1, 2))
         gg = torch.bmm(g, g.transpose(1, 2))
-        return (aa * gg).sum((1, 2))
-    return torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2))
+        sq = (aa * gg).sum((1, 2), dtype=torch.float64)
+        # |Σ δA∘G + A∘δG| ≤ γ_in·n_aᵀ|G|n_a + γ_out·n_gᵀ|A|n_g, |δA_ts| ≤ γ_in‖a_t‖‖a_s‖ (n_a, n_g
+        # from the Grams' diagonals); the products' rounding, 2u·Σ|A∘G| ≤ 2u·n_aᵀ|G|n_a, joins
+        # the first term, and the second-order one is 3γ_inγ_out·M² (M = n_a·n_g)
+        na = aa.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().unsqueeze(2)
+        ng = gg.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().unsqueeze(2)
+        ga, gb = _gamma(fin, u), _gamma(fout, u)
+        err = ((ga + 2 * u) * (na * torch.bmm(gg.abs_(), na)).sum((1, 2), dtype=torch.float64)
+               + gb * (ng * torch.bmm(aa.abs_(), ng)).sum((1, 2), dtype=torch.float64)
+               + 3 * ga * gb * (na * ng).sum((1, 2), dtype=torch.float64) ** 2)
+        return sq, 1.01 * err
+    # the per-example gradient formed: ‖G − fl(G)‖_F ≤ γ_T·M, M = Σ_t ‖a_t‖‖g_t‖ ≥ ‖G‖
+    sq = torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2), dtype=torch.float64)
+    M, gt = (a.norm(dim=2) * g.norm(dim=2)).sum(1, dtype=torch.float64), _gamma(T, u)
+    return sq, 1.01 * (2 * gt * sq.sqrt() * M + gt * gt * M * M) + 4 * u * sq
+
+
+def _roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def _gamma(n: int, u: float) -> float:
+    """γ_n = n·u/(1 − n·u): inner products of length n are off by at most γ_n·‖x‖‖y‖ (Higham 2002,
+    §3.1), whatever the order of the sum; inf where n·u ≥ 1/2 (no bound: recompute in float64)."""
+    return n * u / (1 - n * u) if n * u < 0.5 else math.inf
 
 
 def _sum_of_products(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -176,9 +203,7 @@ class Outer:
         return self.m is not None
 
     def sq_norms(self) -> torch.Tensor:
-        if self.m is not None:
-            return self.m.pow(2).sum((1, 2))
-        return _linear_weight_sq(self.v, self.u)
+        return _sq_bound([self])
 
     def weighted(self, w: torch.Tensor) -> torch.Tensor:
         """Σ_i w_i G_i; examples of weight 0 contribute exactly 0 (NaN-safe)."""
@@ -210,7 +235,7 @@ class Rows:
         self.ids, self.g, self.num_rows = ids, g, num_rows
 
     def sq_norms(self) -> torch.Tensor:
-        return _rows_dot_rows(self, self)
+        return _sq_bound([self])
 
     def weighted(self, w: torch.Tensor) -> torch.Tensor:
         gw = _scale_rows(self.g, w)
@@ -234,7 +259,7 @@ Piece = Any
 
 
 def _piece_sq(x: Piece) -> torch.Tensor:
-    return _per_row(x).pow(2).sum(1) if isinstance(x, torch.Tensor) else x.sq_norms()
+    return _sq_bound([x])
 
 
 def _piece_weighted(x: Piece, w: torch.Tensor) -> torch.Tensor:
@@ -248,30 +273,30 @@ def _piece_per_example(x: Piece) -> torch.Tensor:
 def _rows_dot_rows(x: Rows, y: Rows) -> torch.Tensor:
     """Σ_{t,s} [ids_t = ids'_s] ⟨g_t, g'_s⟩ per example."""
     same = (x.ids.unsqueeze(2) == y.ids.unsqueeze(1)).to(x.g.dtype)          # [B, T, T']
-    return (same * torch.bmm(x.g, y.g.transpose(1, 2))).sum((1, 2))
+    return (same * torch.bmm(x.g, y.g.transpose(1, 2))).sum((1, 2), dtype=torch.float64)
 
 
 def _rows_dot_factors(x: Rows, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """⟨Σ_t e_{ids_t} g_tᵀ, uᵀv⟩ = Σ_{t,s} u_s[ids_t] ⟨v_s, g_t⟩ (u [B, S, rows], v [B, S, d])."""
     B, S, T = u.shape[0], u.shape[1], x.ids.shape[1]
     picked = u.gather(2, x.ids.unsqueeze(1).expand(B, S, T))                 # [B, S, T]
-    return (picked * torch.bmm(v, x.g.transpose(1, 2))).sum((1, 2))
+    return (picked * torch.bmm(v, x.g.transpose(1, 2))).sum((1, 2), dtype=torch.float64)
 
 
 def _rows_dot_dense(x: Rows, m: torch.Tensor) -> torch.Tensor:
     """Σ_t ⟨M_i[ids_t], g_t⟩ for dense per-example gradients m [B, rows, d]."""
     d = x.g.shape[-1]
-    return (m.gather(1, x.ids.unsqueeze(-1).expand(-1, -1, d)) * x.g).sum((1, 2))
+    return (m.gather(1, x.ids.unsqueeze(-1).expand(-1, -1, d)) * x.g).sum((1, 2), dtype=torch.float64)
 
 
 def _factors_dot_factors(x: Outer, y: Outer) -> torch.Tensor:
     """⟨uᵀv, u'ᵀv'⟩ = Σ_{t,s} ⟨u_t, u'_s⟩⟨v_t, v'_s⟩ per example (B·T·T' memory)."""
-    return (torch.bmm(x.u, y.u.transpose(1, 2)) * torch.bmm(x.v, y.v.transpose(1, 2))).sum((1, 2))
+    return (torch.bmm(x.u, y.u.transpose(1, 2)) * torch.bmm(x.v, y.v.transpose(1, 2))).sum((1, 2), dtype=torch.float64)
 
 
 def _factors_dot_dense(x: Outer, m: torch.Tensor) -> torch.Tensor:
     """⟨uᵀv, M⟩ = Σ_t u_tᵀ M v_t per example."""
-    return (torch.bmm(x.u, m) * x.v).sum((1, 2))
+    return (torch.bmm(x.u, m) * x.v).sum((1, 2), dtype=torch.float64)
 
 
 def _kind(x: Piece) -> int:
@@ -295,7 +320,7 @@ _DOTS = {
     (0, 2): lambda x, y: _rows_dot_dense(x, _dense(y).reshape(x.ids.shape[0], x.num_rows, -1)),
     (1, 1): _factors_dot_factors,
     (1, 2): lambda x, y: _factors_dot_dense(x, _dense(y).reshape(x.u.shape[0], x.u.shape[2], x.v.shape[2])),
-    (2, 2): lambda x, y: (_per_row(_dense(x)) * _per_row(_dense(y))).sum(1),
+    (2, 2): lambda x, y: (_per_row(_dense(x)) * _per_row(_dense(y))).sum(1, dtype=torch.float64),
 }
 
 
@@ -351,14 +376,94 @@ def _piece_device(x: Piece) -> torch.device:
     return (x.m if x.materialised else x.u).device
 
 
-def _sq_of_sum(pieces: list[Piece]) -> torch.Tensor:
-    """‖Σ_k piece_k‖² = Σ_k ‖piece_k‖² + 2 Σ_{k<l} ⟨piece_k, piece_l⟩ per example."""
+def _sq_parts(x: Piece) -> tuple[torch.Tensor, torch.Tensor]:
+    """(‖x_i‖² as computed, in float64; a bound on the error of that computation) per example."""
+    if isinstance(x, Rows):  # Σ_{t,s} [ids_t = ids_s]⟨g_t, g_s⟩: off by γ_d·Σ_{same} ‖g_t‖‖g_s‖
+        gram = torch.bmm(x.g, x.g.transpose(1, 2))
+        same = (x.ids.unsqueeze(2) == x.ids.unsqueeze(1)).to(gram.dtype)
+        n = gram.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().unsqueeze(2)
+        u = _roundoff(x.g.dtype)
+        err = _gamma(x.g.shape[-1], u) * (n * torch.bmm(same, n)).sum((1, 2), dtype=torch.float64)
+        prod = same * gram
+        return prod.sum((1, 2), dtype=torch.float64), 1.01 * err + 2 * u * prod.abs().sum((1, 2), dtype=torch.float64)
+    if isinstance(x, Outer) and not x.materialised:
+        return _linear_weight_sq(x.v, x.u)
+    dense = _dense(x)
+    sq = _per_row(dense).pow(2).sum(1, dtype=torch.float64)  # the released tensor's own squares
+    return sq, 4 * _roundoff(dense.dtype) * sq
+
+
+def _magnitude(x: Piece) -> torch.Tensor:
+    """M_i ≥ ‖x_i‖ (the triangle inequality over the rows), float64."""
+    if isinstance(x, Rows):
+        return x.g.norm(dim=2).sum(1, dtype=torch.float64)
+    if isinstance(x, Outer) and not x.materialised:
+        return (x.u.norm(dim=2) * x.v.norm(dim=2)).sum(1, dtype=torch.float64)
+    return _per_row(_dense(x)).norm(dim=1).to(torch.float64)
+
+
+def _inner(x: Piece) -> int:
+    """The longest inner product in the cross terms of x with another piece of its parameter."""
+    if isinstance(x, Rows):
+        return x.g.shape[-1]
+    if isinstance(x, Outer) and not x.materialised:
+        return max(x.u.shape[2] + x.v.shape[2], 2 * x.u.shape[1])
+    return 2
+
+
+def _sq_of_sum(pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_sq_parts`` of Σ_k piece_k: Σ_k ‖piece_k‖² + 2 Σ_{k<l} ⟨piece_k, piece_l⟩ per example; the
+    cross terms' error is bounded through the pieces' magnitudes (shared parameters are rare)."""
+    if len(pieces) == 1:
+        return _sq_parts(pieces[0])
+    u = _roundoff(_piece_dtype(pieces[0]))
+    M = sum(_magnitude(p) for p in pieces)
+    err = 1.01 * _gamma(max(_inner(p) for p in pieces), u) * (2 * M * M)
     if len(pieces) > MAX_CROSS_PIECES:
         total = sum(_per_row(_piece_per_example(p)) for p in pieces)
-        return total.pow(2).sum(1)
-    terms = [_piece_sq(p) for p in pieces]
+        return total.pow(2).sum(1, dtype=torch.float64), err
+    parts = [_sq_parts(p) for p in pieces]
+    terms = [sq for sq, _ in parts]
     terms += [2 * piece_dot(pieces[k], pieces[l]) for k in range(len(pieces)) for l in range(k)]
-    return sum(terms[1:], terms[0])
+    return sum(terms[1:], terms[0]), err + sum(e for _, e in parts)
+
+
+def _piece_rows64(x: Piece, idx: torch.Tensor) -> Piece:
+    """The rows ``idx`` of a piece, in float64."""
+    if isinstance(x, Rows):
+        return Rows(x.ids[idx], x.g[idx].double(), x.num_rows)
+    if isinstance(x, Outer) and not x.materialised:
+        return Outer(x.u[idx].double(), x.v[idx].double(), per_example=False)
+    return _dense(x)[idx].double()
+
+
+def _piece_dtype(x: Piece) -> torch.dtype:
+    if isinstance(x, Rows):
+        return x.g.dtype
+    return (x.u if isinstance(x, Outer) and not x.materialised else _dense(x)).dtype
+
+
+def _sq_bound(pieces: list[Piece]) -> torch.Tensor:
+    """‖Σ_k piece_k‖² per example, rounded up past the rounding error of its computation.
+
+    An example's clip factor comes from this norm, its share of the released sum from another
+    computation (one GEMM over every example's rows). A norm from Gram products,
+    Σ_{t,s}⟨u_t,u_s⟩⟨v_t,v_s⟩ (or from cross terms of a shared parameter), cancels where rows
+    nearly cancel (a_1 = A + e, a_2 = −A with ‖A‖ ≫ ‖e‖): in fp32 it came out near 0 for an example
+    whose gradient was large, which was then not clipped (a crafted input moved a sum by 334·C in
+    a review). So each computed norm² gets a bound on its error added (``_sq_parts``: each Gram
+    entry is off by at most γ_n‖x‖‖y‖, and those bounds are summed with the other Gram's entries,
+    about 10⁻⁴ of the norm² for real activations); where the bound exceeds 1/64 of the value
+    (cancellation) the example's norm² is recomputed in float64, where it is 2⁻²⁹ times smaller.
+    The result is in the pieces' dtype, rounded from above the true value."""
+    sq, err = _sq_of_sum(pieces)
+    dtype = _piece_dtype(pieces[0])
+    loose = ~(err * 64 <= sq)
+    if dtype != torch.float64 and bool(loose.any()):
+        idx = loose.nonzero().squeeze(1)
+        sq64, err64 = _sq_of_sum([_piece_rows64(p, idx.to(_piece_device(p))) for p in pieces])
+        sq, err = sq.index_copy(0, idx, sq64), err.index_copy(0, idx, err64)
+    return (sq + 2 * err).to(dtype)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1357,7 +1462,7 @@ class _LayerClip:
         calls = self.arrived.pop(g)
         local = self.sampler._local
         pieces = _pieces_by_parameter((h, local[id(use.module)], use) for use, h in calls)
-        sq = sum(_sq_of_sum(ps) for ps in pieces.values())
+        sq = sum(_sq_bound(ps) for ps in pieces.values())
         norms = sq.sqrt()
         finite = self.finite.to(norms.device)
         ok = finite & torch.isfinite(norms)
@@ -1527,7 +1632,7 @@ class HookContribution(DenseContribution):
         sq = None
         for ps in pieces.values():  # one parameter's regrouped copy at a time: memory of one layer, not all
             grouped = [regroup(v, groups, n_groups) for v in ps]
-            term = _sq_of_sum(grouped) if len(grouped) > 1 else _piece_sq(grouped[0])
+            term = _sq_bound(grouped)
             sq = term if sq is None else sq + term
             del grouped
         if sq is None:
@@ -1548,7 +1653,7 @@ class HookContribution(DenseContribution):
             # (the two-pass mode took each call's norms² in its first backward; same terms, same order)
             terms = [v for h, local, uses in self.records for u in uses
                      for k, v in (u.sq if u.sq is not None else h.sq_norms(u)).items() if local[k] not in shared]
-            terms += [_sq_of_sum(pieces) for pieces in shared.values()]
+            terms += [_sq_bound(pieces) for pieces in shared.values()]
             sq = sum(terms[1:], terms[0]) if terms else \
                 torch.zeros(self.n, device=self.finite.device if self.finite is not None else None)
             if self.finite is not None:

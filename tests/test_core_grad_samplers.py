@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -123,3 +125,50 @@ def test_two_plugins_claiming_one_layer_type_are_refused_naming_both(with_scale_
     finally:
         reg.pm.unregister(other)
         reg._grad_samplers = None
+
+
+class TokenBag(nn.Module):
+    """A token-wise linear layer, mean over tokens, a frozen head: an example's weight gradient is
+    g·(a_1 + a_2)ᵀ/2, whose ghost norm Σ_{t,s}⟨a_t,a_s⟩⟨g_t,g_s⟩ cancels when a_2 ≈ −a_1."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.lin, self.head = nn.Linear(d, d), nn.Linear(d, 1)
+        self.head.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(self.lin(x).mean(1)).squeeze(1)
+
+
+@pytest.mark.parametrize("mode", ["flat", "two passes", "per layer"])
+def test_a_crafted_example_whose_ghost_norm_cancels_in_fp32_is_still_clipped(mode):
+    """Tokens A + e and −A with ‖A‖ = 10⁷, e ⟂ A of norm 10³: the true gradient norm is in the
+    hundreds, the fp32 Gram products cancelled to about 0, and the example went unclipped (a review
+    measured 334·C). The norm is now an upper bound (its rounding error added; recomputed in float64
+    where that error is large), so the released sum of a batch of that one example stays within C."""
+    from dpregistry.clipping import clip_and_sum, clip_and_sum_per_layer
+    from dpregistry.persample import GradSampler
+
+    torch.manual_seed(0)
+    model, C = TokenBag().eval(), 1.0
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    g = torch.Generator().manual_seed(1)
+    worst, true_norms = 0.0, []
+    for _ in range(20):
+        A = torch.randn(8, generator=g, dtype=torch.float64)
+        A = A / A.norm() * 1e7
+        e = torch.randn(8, generator=g, dtype=torch.float64)
+        e = e - (e @ A) / (A @ A) * A
+        x = torch.stack([A + e / e.norm() * 1e3, -A]).float().unsqueeze(0)
+        sampler = GradSampler(model, params, passes=2 if mode == "two passes" else 1)
+        with torch.enable_grad(), sampler.capture(1):
+            losses = model(x)
+        c = sampler.contribution(losses)
+        out = (clip_and_sum_per_layer(c, C) if mode == "per layer" else clip_and_sum(c, C)).aggregate.tensors
+        worst = max(worst, math.sqrt(sum(float(v.double().pow(2).sum()) for v in out.values())))
+        m64 = TokenBag().double()
+        m64.load_state_dict(model.state_dict())
+        grads = torch.autograd.grad(m64(x.double())[0], [m64.lin.weight, m64.lin.bias])
+        true_norms.append(math.sqrt(sum(float(t.pow(2).sum()) for t in grads)))
+    assert max(true_norms) > 100 * C  # the examples really are far outside the clip
+    assert worst <= C * (1 + 1e-2)  # the released sum's own fp32 rounding, not an unclipped example
