@@ -493,13 +493,16 @@ class Use:
     #: weighted sums (taken in the second)
     sq: dict | None = None
     sums: dict | None = None
+    #: two passes only: a sketch of the first backward's backprop (``_row_sketch``), which the
+    #: second's must equal times the clip weights
+    echo: torch.Tensor | None = None
     #: how each parameter's per-example gradients were kept: "ghost" (factors; norms from Gram
     #: products), "per_example" (materialised), "rows" (an embedding's ids and backprops)
     plan: dict = field(default_factory=dict)
 
     def drop(self) -> None:
         """Forget the call's inputs, backprop and kept state (once its sum is formed)."""
-        self.state, self.inp, self.g, self.args, self.kwargs = {}, None, None, (), {}
+        self.state, self.inp, self.g, self.args, self.kwargs, self.echo = {}, None, None, (), {}, None
 
 
 class LayerHandler:
@@ -1067,6 +1070,7 @@ class GradSampler:
                 p.clip.arrive(use, h)
         elif p.mode == "norms":
             kept = use.args, use.kwargs
+            use.echo = _row_sketch(use.g)
             h.on_backprop(use)
             use.plan = {k: _piece_kind(v) for k, v in use.state.items()}
             use.sq = h.sq_norms(use)
@@ -1075,9 +1079,30 @@ class GradSampler:
             use.state = {k: v for k, v in h.pieces(use).items() if k in keep} if keep else {}
             (use.args, use.kwargs), use.inp, use.g = kept, None, None
         else:
+            self._check_linear(use, p.weights)
             h.on_backprop(use)
             use.sums = h.weighted(use, p.mask)
             use.drop()
+
+    def _check_linear(self, use: Use, weights: torch.Tensor) -> None:
+        """The second pass's backprop of Σ_i w_i·loss_i must be w_i times the first's, row by row:
+        the norms come from the first, the sums from the second. A backward that is not linear in
+        the gradient it receives (a hook that clamps a gradient, a custom autograd Function) breaks
+        that, and the sums would not be bounded by the norms (a review: 51-93 × C)."""
+        if use.echo is None:
+            return
+        got = _row_sketch(use.g)
+        want = weights.to(got.dtype).view(-1, 1, 1) * use.echo
+        err = torch.linalg.vector_norm(got - want, dim=-1)
+        size = torch.linalg.vector_norm(want, dim=-1)
+        ok = torch.isfinite(err) & torch.isfinite(size)  # a NaN/inf example has weight 0 anyway
+        err, size = torch.where(ok, err, 0.0), torch.where(ok, size, 0.0)
+        if bool((err > 1e-3 * size + 1e-6 * size.max()).any()):
+            raise UserError(f"the second backward's backprop of layer {self._names[id(use.module)]} "
+                            f"({type(use.module).__name__}) is not the first's times the clip weights; the "
+                            "backward is not linear in the gradient it receives (a hook that clamps or rescales "
+                            "a gradient, a custom autograd Function), so the norms of the first pass would not "
+                            "bound the sums of the second. Use passes: 1", key="estimator.passes")
 
     @contextmanager
     def capture(self, batch_size: int):
@@ -1486,6 +1511,7 @@ class _Pass:
     mode: str
     shared: frozenset = frozenset()
     mask: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
     clip: "_LayerClip | None" = None
 
 
@@ -1517,7 +1543,7 @@ class _SecondPass:
         w = torch.where(keep, weights, torch.zeros_like(weights)).to(device=losses.device, dtype=losses.dtype)
         total = (torch.where(keep.to(losses.device), losses, zero) * w).sum()
         s = self.sampler
-        s._pass = _Pass("sums", mask=keep.to(weights.dtype))
+        s._pass = _Pass("sums", mask=keep.to(weights.dtype), weights=w)
         try:
             with s._replaying(losses.shape[0]):
                 torch.autograd.grad(total, [anchor], allow_unused=True)

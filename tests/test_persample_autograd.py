@@ -12,6 +12,8 @@ the example wrongly, and either moves the clipped sum. Everything runs in fp64.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -610,3 +612,35 @@ def test_a_convolution_padded_other_than_with_zeros_is_refused():
     model = nn.Sequential(nn.Conv1d(2, 2, 3, padding=1, padding_mode="reflect"), nn.Flatten(0))
     with pytest.raises(UserError, match="padding_mode"):
         setup(model, Objective(model, lambda idx: model(torch.randn(len(idx), 2, 5)), 4))
+
+
+class ClampedGradient(nn.Module):
+    """A hook that clamps a hidden gradient (common in recurrent code): the backward is then not
+    linear in the gradient it receives, which the two-pass mode's second backward assumes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+        return self.b(torch.tanh(h)).squeeze(-1)
+
+
+def test_two_passes_refuse_a_backward_that_is_not_linear_in_its_gradient():
+    torch.manual_seed(0)
+    model = ClampedGradient()
+    objective = regression(model, 6, (4,))
+    for passes in (1, 2):
+        est, ctx = setup(model, objective, passes=passes)
+        (c,) = list(est.contributions(objective, torch.arange(6), ctx))
+        norms = c.norms()
+        clip = float(norms.min()) / 2  # every example clipped: weights well below 1
+        if passes == 1:  # one backward: the norms and the sums come from the same backprops
+            out = clip_and_sum(c, clip).aggregate.tensors
+            assert math.sqrt(sum(float(v.pow(2).sum()) for v in out.values())) <= 6 * clip * (1 + 1e-9)
+        else:
+            with pytest.raises(UserError, match="not linear in the gradient"):
+                clip_and_sum(c, clip)
