@@ -496,3 +496,22 @@ def test_a_forked_child_draws_noise_without_its_parents_threads():
         os._exit(0 if ok else 3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_a_secret_generator_takes_its_whole_state_from_the_stream():
+    """manual_seed keeps 32 bits of a seed (2³² direction sets, all computable offline); the secret
+    generator's 624-word Mersenne-Twister state is the stream's keystream instead."""
+    import numpy as np
+
+    from dpregistry.privacy.secret import _BLOCK, _keystream, CipherStream
+
+    key = bytes(range(32))
+    g = CipherStream(key).generator()
+    mt = g.get_state().numpy()[24:24 + 8 * 624].view(np.uint64)
+    words = _keystream(key, 0, 312, memoryview(bytes(312 * _BLOCK)), bytearray(313 * _BLOCK)) & np.uint64(0xFFFFFFFF)
+    words[0] |= np.uint64(0x80000000)
+    assert np.array_equal(mt, words)
+    z = torch.randn(200_000, generator=g, dtype=torch.float64)
+    assert abs(float(z.mean())) < 0.01 and abs(float(z.std()) - 1) < 0.01
+    assert torch.equal(torch.randn(8, generator=CipherStream(key).generator()),
+                       torch.randn(8, generator=CipherStream(key).generator()))

@@ -77,6 +77,9 @@ def _uniform53(words: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 _HALF = CHUNK // 2  # torch runs a unary op of at most 32768 elements inline, not on its own threads
+# torch's CPU generator state (CPUGeneratorImplState): seed, left, seeded, next, then MT19937's 624
+# words, each in 64 bits, from byte 24
+_MT_STATE_BYTES, _MT_OFFSET, _MT_WORDS = 5056, 24, 624
 _ONE = np.uint64(0x3FF0000000000000)  # the sign and exponent bits of 1.0
 _SIGN = np.uint64(1 << 63)
 
@@ -264,7 +267,8 @@ class CipherStream(SecretStream):
     def add_noise_(self, tensors: list[torch.Tensor], std: float) -> None:
         """t += std·z for every t, the z of all of them drawn as one stream and added chunk by
         chunk (no buffer of their size, the work spread over the pool). The sum is taken in
-        float64 and rounded once."""
+        float64 and rounded once to float32, float64 or float16; to bfloat16 torch rounds through
+        float32 (twice: off by at most one unit in the last place, below the dtype's own rounding)."""
         devices = {t.device for t in tensors}
         if len(devices) == 1 and chacha.draws_on(next(iter(devices))):
             return self._add_noise_on_device(tensors, std)
@@ -295,8 +299,8 @@ class CipherStream(SecretStream):
 
         def add(start, z):
             for piece, part in _spans(flats, ends, start, z * std):
-                # an in-place add of a float64 operand sums in float64 and rounds once to the
-                # piece's dtype: one launch a span (``copy_(piece.double() + part)`` took three
+                # an in-place add of a float64 operand sums in float64 and rounds to the piece's
+                # dtype (once for float32; through float32 for half types): one launch a span (``copy_(piece.double() + part)`` took three
                 # and two temporaries, about 1,200 launches at RoBERTa-large's 390 tensors, where
                 # a GPU's DP step is bound by the host)
                 piece.add_(part)
@@ -316,8 +320,21 @@ class CipherStream(SecretStream):
         return torch.from_numpy(_uniform53(words.copy(), np.empty(2 * blocks))[:n])
 
     def generator(self) -> torch.Generator:
-        word = _keystream(self._key, self._take(1), 1, memoryview(bytes(_BLOCK)), bytearray(2 * _BLOCK))[0]
-        return torch.Generator().manual_seed(int(word) & ((1 << 63) - 1))
+        """A CPU generator whose whole Mersenne-Twister state, 624 words of 32 bits, comes from the
+        stream: ``manual_seed`` keeps only 32 bits of a seed, and 2³² trials would find those."""
+        state = torch.Generator().manual_seed(0).get_state()
+        mt = state.numpy()[_MT_OFFSET:_MT_OFFSET + 8 * _MT_WORDS].view(np.uint64)
+        if state.numel() != _MT_STATE_BYTES or int(mt[0]) != 0 or int(mt[1]) != 1:  # seed 0: words 0, 1, ...
+            raise RuntimeError("torch's CPU generator state has a layout this dpregistry does not know; "
+                               "secret generators need it")
+        blocks = _MT_WORDS // 2
+        words = _keystream(self._key, self._take(blocks), blocks, memoryview(bytes(blocks * _BLOCK)),
+                           bytearray((blocks + 1) * _BLOCK))
+        np.bitwise_and(words, np.uint64(0xFFFFFFFF), out=mt)
+        mt[0] |= np.uint64(0x80000000)  # never the all-zero state (as MT's init_by_array)
+        g = torch.Generator()
+        g.set_state(state)
+        return g
 
 
 class SeededStream(SecretStream):
