@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import platform
 import signal
+import json
 import time
 from typing import Any, Callable
 
@@ -175,8 +176,20 @@ def _summary(run: Run, metrics: dict[str, float], t0: float, *, written: bool = 
         "versions": versions(),
     }
     if run.folder and written:
+        summary["wall_seconds"] += _earlier_wall_seconds(run)
         run.folder.write_json("summary.json", summary)
     return summary
+
+
+def _earlier_wall_seconds(run: Run) -> float:
+    """The time of the run's earlier segments, as the summary of the last one said (a resumed run
+    reports its whole time, and resuming a finished run does not reset it to the last call's)."""
+    try:
+        earlier = json.loads((run.folder.path / "summary.json").read_text())
+    except (OSError, ValueError):
+        return 0.0
+    same = earlier.get("recipe_hash") == run.recipe.hash and earlier.get("step", run.step + 1) <= run.step
+    return float(earlier.get("wall_seconds") or 0.0) if same else 0.0
 
 
 def _random_iterate_step(run: Run) -> int | None:

@@ -157,6 +157,12 @@ class TorchObjective(Objective):
     def select_trainable(self) -> None:
         """Mark which parameters train (``requires_grad``): the recipe's ``trainable`` regexes."""
         trainable: Trainable = getattr(self.cfg, "trainable", None) or Trainable()
+        names = [name for name, _ in self.model.named_parameters()]
+        for pattern in trainable.include:  # a pattern that names nothing is a typo or another model's name
+            if not any(re.search(pattern, n) for n in names):
+                raise UserError(f"pattern {pattern!r} matches no parameter of this model (its parameters "
+                                f"include {', '.join(names[:3])} ... {', '.join(names[-3:])})",
+                                key="objective.trainable.include")
         for name, p in self.model.named_parameters():
             p.requires_grad_(trainable.selects(name))
 

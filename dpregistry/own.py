@@ -79,7 +79,7 @@ class OwnObjective(TorchObjective):
 
     def provide(self, kind):
         if self.own.users is None:
-            raise UserError("privacy.unit: user needs the user of each training example: pass users=[...] to "
+            raise UserError("user needs the user of each training example: pass users=[...] to "
                             "dpregistry.train", key="privacy.unit")
         ids = torch.as_tensor(self.own.users).reshape(-1)
         if len(ids) != self.n_train or ids.is_floating_point():

@@ -257,10 +257,10 @@ def load_raw(path: Path | str, sets: list[str] | tuple = (), _seen: tuple = ()) 
         try:
             found = ppath.exists()
         except OSError as e:  # a name too long for the file system, ...
-            raise UserError(f"extends: cannot read {parent} ({e.strerror or e})", file=file, line=line,
+            raise UserError(f"cannot read {parent} ({e.strerror or e})", file=file, line=line,
                             key="extends") from None
         if not found:
-            raise UserError(f"extends: {parent} not found", file=file, line=line, key="extends")
+            raise UserError(f"{parent} not found", file=file, line=line, key="extends")
         pdata, plocs = load_raw(ppath, (), _seen + (key,))
         data = _merge(pdata, data)
         locs = {**plocs, **locs}

@@ -271,7 +271,7 @@ class Run:
     def _bind_users(self) -> None:
         """The public selection of at most k records per user (from the objective's user ids)."""
         if UserIds not in type(self.objective).provides:
-            raise self.recipe.error(f"privacy.unit: user needs the user of each record, and objective "
+            raise self.recipe.error(f"user needs the user of each record, and objective "
                                     f"{self.objective.name!r} has none (name the user id column with data.user)",
                                     "privacy", "unit")
         self._section = "objective"  # the objective's refusal names its own keys (data.user)

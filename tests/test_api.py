@@ -238,3 +238,14 @@ def test_silencing_the_hf_libraries_restores_each_ones_own_settings(hub_bars_off
     finally:
         dlog.set_verbosity(dlog.WARNING)
         hub.enable_progress_bars()
+
+
+def test_resuming_a_finished_run_keeps_its_wall_time(tmp_path):
+    """The summary's wall time is the run's: a resume of a finished run took milliseconds and used
+    to overwrite it with them."""
+    out = tmp_path / "run"
+    dpregistry.train("quickstart", out=out, set=["train.steps=5"], verbose=False)
+    first = json.loads((out / "summary.json").read_text())["wall_seconds"]
+    dpregistry.resume(out, verbose=False)
+    again = json.loads((out / "summary.json").read_text())["wall_seconds"]
+    assert first <= again <= first + 5.0

@@ -188,7 +188,7 @@ CASES: dict[str, Case] = {
                                 where=R + ":9: update.name: ", says="update rules that fit"),
     "model given twice": Case(recipe=BASE + "model: {kind: mlp}\n", where=R + ":13: model: ", says="both"),
     "no trainable parameters": Case(edit=("data: {dataset: iris}", "data: {dataset: iris}\n  trainable: {include: [nothing]}"),
-                                    where=R + ":7: objective.trainable: ", says="no trainable parameters"),
+                                    where=R + ":7: objective.trainable.include: ", says="matches no parameter"),
     "device that does not exist": Case(edit=("steps: 5}", "steps: 5, device: cuda}"), where=R + ":12: train.device: ",
                                        says="not available"),
     "device that is not a device": Case(edit=("steps: 5}", "steps: 5, device: gpu0}"), where=R + ":12: train.device: "),
