@@ -137,7 +137,11 @@ def find_recipe(name: str) -> Path:
                 if cand.exists():
                     return cand
     except OSError:  # a name too long to be a file: reading it says so
-        pass
+        return p
+    if p.parent == Path(".") and not p.suffix and not p.exists():
+        shipped = sorted({c.stem for d in recipes_dirs() if d.is_dir() for c in d.glob("*.yaml")})
+        raise UserError(f"{name}: no such recipe file, and no shipped recipe of that name (shipped: "
+                        f"{', '.join(shipped)})")
     return p
 
 

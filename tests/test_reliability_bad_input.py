@@ -104,6 +104,8 @@ R = r"recipe\.yaml"  # the recipe's file name in `where`
 CASES: dict[str, Case] = {
     # --- files and YAML ---------------------------------------------------------------------
     "recipe file missing": Case(args=["run", "{tmp}/nope.yaml"], where=r"nope\.yaml: ", says="not found"),
+    "an unknown recipe name": Case(args=["run", "nosuchrecipe"], where=r"nosuchrecipe: ",
+                                   says="no shipped recipe of that name (shipped: kl_adaptive"),
     "recipe is a folder": Case(args=["run", "{tmp}/adir"], files={"adir/x": ""}, where=r"adir: "),
     "recipe is not UTF-8": Case(recipe="", files={"recipe.yaml": b"seed: 0\nalgorithm: \xff\xfe\n"},
                                 where=R + ": ", says="cannot read"),
