@@ -170,7 +170,9 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     if isinstance(e, yaml.reader.ReaderError):  # an unprintable character: its code, not the text
         return str(e).splitlines()[0]
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-    return re.sub(r"'[^']{3,}'|\"[^\"]{3,}\"", "(text not shown)", str(problem))
+    # PyYAML quotes its own tokens (',', '}', '<stream end>') and, at times, the file's text
+    return re.sub(r"'(<[^'>]*>|[^']?)'|'[^']*'|\"[^\"]*\"",
+                  lambda m: m.group(0) if m.group(1) is not None else "(text not shown)", str(problem))
 
 
 def _compose(text: str, file: str, recipe: bool, budget: _Expansion | None = None) -> tuple[Any, dict[tuple, Loc]]:

@@ -110,7 +110,7 @@ CASES: dict[str, Case] = {
     "recipe is not UTF-8": Case(recipe="", files={"recipe.yaml": b"seed: 0\nalgorithm: \xff\xfe\n"},
                                 where=R + ": ", says="cannot read"),
     "YAML: unclosed brace": Case(edit=("update: {lr: 0.1}", "update: {lr: 0.1"), where=R + r":\d+: ",
-                                 says="YAML syntax error"),
+                                 says="YAML syntax error: expected ',' or '}'"),
     "YAML: tab indentation": Case(edit=("  name: tabular", "\tname: tabular"), where=R + r":\d+: ",
                                   says="YAML"),
     "YAML: bad indentation": Case(edit=("  model: {kind: linear}", "    model: {kind: linear}"),
