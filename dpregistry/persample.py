@@ -1277,7 +1277,9 @@ class GradSampler:
             raise UserError(f"per-example gradients: the first training example's loss is {float(together):.6g} "
                             f"beside the second and {float(alone):.6g} alone; the forward mixes the examples of a "
                             "batch (batch statistics, a sum over dimension 0, attention across the batch), so "
-                            "clipping one example's gradient would not bound its influence")
+                            "clipping one example's gradient would not bound its influence; or the loss is random "
+                            "(augmentation drawn inside it: draw it in the data instead, so a forward is a function "
+                            "of the weights and the example)")
 
     def contribution(self, losses: torch.Tensor, cls: type | None = None, **extra) -> "HookContribution":
         """The lazy contribution of Σ_i loss_i (non-finite losses are masked out). Its backward runs
