@@ -122,7 +122,7 @@ def test_out_of_memory_in_the_cli_is_one_line_and_resume_finishes(reference, tmp
 
     def oom_at_the_seventh_step(self, idx):
         calls["n"] += 1
-        if calls["n"] == 8:  # call 1 is the estimator's model check at setup
+        if calls["n"] == 9:  # calls 1 and 2 are the estimator's model checks at setup (two examples, one alone)
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real(self, idx)
 
