@@ -300,9 +300,9 @@ class CipherStream(SecretStream):
         def add(start, z):
             for piece, part in _spans(flats, ends, start, z * std):
                 # an in-place add of a float64 operand sums in float64 and rounds to the piece's
-                # dtype (once for float32; through float32 for half types): one launch a span (``copy_(piece.double() + part)`` took three
-                # and two temporaries, about 1,200 launches at RoBERTa-large's 390 tensors, where
-                # a GPU's DP step is bound by the host)
+                # dtype (once for float32; through float32 for half types): one launch a span
+                # (``copy_(piece.double() + part)`` took three and two temporaries, about 1,200
+                # launches at RoBERTa-large's 390 tensors, where a GPU's DP step is bound by the host)
                 piece.add_(part)
 
         if n >= chacha.MIN_DRAW:
