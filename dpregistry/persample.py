@@ -171,8 +171,13 @@ def _linear_weight_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, t
         return sq, 1.01 * err
     # the per-example gradient formed: ‖G − fl(G)‖_F ≤ γ_T·M, M = Σ_t ‖a_t‖‖g_t‖ ≥ ‖G‖
     sq = torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2), dtype=torch.float64)
-    M, gt = (a.norm(dim=2) * g.norm(dim=2)).sum(1, dtype=torch.float64), _gamma(T, u)
+    M, gt = _rows_norm_products(a, g), _gamma(T, u)
     return sq, 1.01 * (2 * gt * sq.sqrt() * M + gt * gt * M * M) + 4 * u * sq
+
+
+def _rows_norm_products(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """M_i = Σ_t ‖u_t‖‖v_t‖ ≥ ‖u_iᵀv_i‖_F (the triangle inequality), float64."""
+    return (u.norm(dim=2) * v.norm(dim=2)).sum(1, dtype=torch.float64)
 
 
 def _roundoff(dtype: torch.dtype) -> float:
@@ -265,10 +270,6 @@ class Rows:
 Piece = Any
 
 
-def _piece_sq(x: Piece) -> torch.Tensor:
-    return _sq_bound([x])
-
-
 def _piece_weighted(x: Piece, w: torch.Tensor) -> torch.Tensor:
     return _scale_rows(x, w).sum(0) if isinstance(x, torch.Tensor) else x.weighted(w)
 
@@ -277,10 +278,14 @@ def _piece_per_example(x: Piece) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else x.per_example()
 
 
+def _same_ids(x: Rows, y: Rows) -> torch.Tensor:
+    """[ids_t = ids'_s], [B, T, T'], in the backprops' dtype."""
+    return (x.ids.unsqueeze(2) == y.ids.unsqueeze(1)).to(x.g.dtype)
+
+
 def _rows_dot_rows(x: Rows, y: Rows) -> torch.Tensor:
     """Σ_{t,s} [ids_t = ids'_s] ⟨g_t, g'_s⟩ per example."""
-    same = (x.ids.unsqueeze(2) == y.ids.unsqueeze(1)).to(x.g.dtype)          # [B, T, T']
-    return (same * torch.bmm(x.g, y.g.transpose(1, 2))).sum((1, 2), dtype=torch.float64)
+    return (_same_ids(x, y) * torch.bmm(x.g, y.g.transpose(1, 2))).sum((1, 2), dtype=torch.float64)
 
 
 def _rows_dot_factors(x: Rows, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -387,7 +392,7 @@ def _sq_parts(x: Piece) -> tuple[torch.Tensor, torch.Tensor]:
     """(‖x_i‖² as computed, in float64; a bound on the error of that computation) per example."""
     if isinstance(x, Rows):  # Σ_{t,s} [ids_t = ids_s]⟨g_t, g_s⟩: off by γ_d·Σ_{same} ‖g_t‖‖g_s‖
         gram = torch.bmm(x.g, x.g.transpose(1, 2))
-        same = (x.ids.unsqueeze(2) == x.ids.unsqueeze(1)).to(gram.dtype)
+        same = _same_ids(x, x)
         n = gram.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().unsqueeze(2)
         u = _roundoff(x.g.dtype)
         err = _gamma(x.g.shape[-1], u) * (n * torch.bmm(same, n)).sum((1, 2), dtype=torch.float64)
@@ -405,7 +410,7 @@ def _magnitude(x: Piece) -> torch.Tensor:
     if isinstance(x, Rows):
         return x.g.norm(dim=2).sum(1, dtype=torch.float64)
     if isinstance(x, Outer) and not x.materialised:
-        return (x.u.norm(dim=2) * x.v.norm(dim=2)).sum(1, dtype=torch.float64)
+        return _rows_norm_products(x.u, x.v)
     return _per_row(_dense(x)).norm(dim=1).to(torch.float64)
 
 
@@ -543,7 +548,7 @@ class LayerHandler:
         return use.state
 
     def sq_norms(self, use: Use) -> dict[str, torch.Tensor]:
-        return {k: _piece_sq(v) for k, v in self.pieces(use).items()}
+        return {k: _sq_bound([v]) for k, v in self.pieces(use).items()}
 
     def weighted(self, use: Use, w: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: _piece_weighted(v, w) for k, v in self.pieces(use).items()}
