@@ -479,6 +479,22 @@ def test_keyed_runs_with_another_seed_or_recipe_draw_independent_noise():
                                .secret("poisson", 3).uniform(64))
 
 
+def test_a_keyed_run_keys_its_noise_by_its_seed_and_recipe(monkeypatch):
+    """What a Run passes as the run's identity: the same recipe draws the same noise (a resume),
+    another seed other noise."""
+    from dpregistry.api import load_recipe
+    from dpregistry.run import Run
+
+    monkeypatch.setenv(NOISE_KEY_ENV, KEY)
+
+    def noise(*sets):
+        return Run(load_recipe("quickstart", ["privacy.noise=keyed", *sets])).rng.noise(3).randn((64,))
+
+    assert torch.equal(noise("seed=1"), noise("seed=1"))
+    assert not torch.equal(noise("seed=1"), noise("seed=2"))
+    assert not torch.equal(noise("seed=1"), noise("seed=1", "train.steps=61"))
+
+
 def test_a_forked_child_draws_noise_without_its_parents_threads():
     """A child forked after the parent drew on the thread pool has the pool but none of its threads:
     a draw of several chunks waited on them for ever."""
