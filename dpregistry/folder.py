@@ -48,6 +48,7 @@ class RunFolder:
         self.writer = writer
         self.checkpoints = self.path / "checkpoints"
         self.metrics = self.path / "metrics.jsonl"
+        self.saved_step: int | None = None  # of the newest checkpoint this process wrote
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -88,14 +89,21 @@ class RunFolder:
             return None
         tensors, meta = run.state()
         path = ckpt.checkpoint_path(self.checkpoints, run.step)
+        journal = LedgerFile(self.path)
+        # A keyed run may replay steps after its checkpoint with the same noise: each checkpoint's
+        # digest is recorded, and a replay that does not reproduce it stops before writing.
+        state = ckpt.tensor_digest(tensors, {"state": meta["state"]}) if run.rng.noise_mode == "keyed" else None
+        if state is not None:
+            journal.check_replay(run.step, state)
         with self.storage(path):
             self.checkpoints.mkdir(parents=True, exist_ok=True)
             files.fsync_path(self.metrics)  # rows up to this step survive a power loss too
             ckpt.write_atomic(path, tensors, meta)
             # After the rename: a kill in between leaves the checkpoint one line ahead of the ledger
             # file, which a resume accepts (the checkpoint's ledger extends the last line).
-            LedgerFile(self.path).record(run.step, meta["ledger"])
+            journal.record(run.step, meta["ledger"], state)
             ckpt.prune(self.checkpoints, run.recipe.train.keep_checkpoints)
+        self.saved_step = run.step
         return path
 
     def append_metrics(self, row: dict[str, Any]) -> None:

@@ -26,8 +26,11 @@ NAME = "ledger.jsonl"
 GENESIS = "0" * 64
 
 
-def _digest(prev: str, step: int, entries: list[dict[str, Any]]) -> str:
-    body = json.dumps({"prev": prev, "step": step, "entries": entries}, sort_keys=True, separators=(",", ":"))
+def _digest(prev: str, step: int, entries: list[dict[str, Any]], state: str | None = None) -> str:
+    fields = {"prev": prev, "step": step, "entries": entries}
+    if state is not None:
+        fields["state"] = state
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()
 
 
@@ -71,7 +74,7 @@ class LedgerFile:
                     rec = json.loads(line)
                     ok = (isinstance(rec, dict) and rec.get("prev") == prev and isinstance(rec.get("step"), int)
                           and isinstance(rec.get("entries"), list)
-                          and rec.get("hash") == _digest(prev, rec["step"], rec["entries"]))
+                          and rec.get("hash") == _digest(prev, rec["step"], rec["entries"], rec.get("state")))
                 except ValueError:
                     ok = False
                 if not ok:
@@ -94,8 +97,23 @@ class LedgerFile:
         lines = self.lines()
         return lines[-1] if lines else None
 
-    def record(self, step: int, entries: list[dict[str, Any]]) -> None:
-        """Append the ledger of the checkpoint just written at ``step``. A step already recorded (a
+    def check_replay(self, step: int, state: str) -> None:
+        """Refuse, before anything of it is written, a checkpoint at a step recorded with another
+        ``state`` (a keyed run's digest of its checkpoint). A keyed run replays a step with the noise it
+        drew before, so a recomputation that differs in the last bit (other GPU kernels, thread counts
+        or library versions) would release two sums under one noise draw, whose difference is free of
+        noise; a step checkpointed once was released (held-out metrics, the checkpoint itself)."""
+        known = [r.get("state") for r in self.lines() if r["step"] == step]
+        if known and known[-1] is not None and known[-1] != state:
+            raise UserError(f"step {step} was checkpointed before with other parameters or state: this machine does "
+                            f"not recompute the run bit for bit (GPU kernels, thread counts or library versions "
+                            f"differ), and releasing step {step} again under the same keyed noise would reveal the "
+                            f"difference of two noise-free sums. Resume where the run was taken, with the same "
+                            f"versions, or restore the newer checkpoint", file=str(self.path))
+
+    def record(self, step: int, entries: list[dict[str, Any]], state: str | None = None) -> None:
+        """Append the ledger of the checkpoint just written at ``step`` (with ``state``, the
+        checkpoint's digest, in keyed runs: see :meth:`check_replay`). A step already recorded (a
         replayed step of a reproducible or keyed run, or the final checkpoint at a logged step) must
         agree; a ledger that does not extend the newest line is a bug that would lose spending."""
         entries = json.loads(json.dumps(entries))
@@ -112,7 +130,9 @@ class LedgerFile:
         if after:
             return  # a replayed step between two recorded ones: consistent, and the file only grows at its end
         prev = lines[-1]["hash"] if lines else GENESIS
-        rec = {"step": step, "entries": entries, "prev": prev, "hash": _digest(prev, step, entries)}
+        rec = {"step": step, "entries": entries, "prev": prev, "hash": _digest(prev, step, entries, state)}
+        if state is not None:
+            rec["state"] = state
         self._drop_torn_tail()
         with open(self.path, "a") as f:
             f.write(json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n")

@@ -109,10 +109,11 @@ def _steps(run: Run, progress, tau, t0, state) -> None:
             window.clear()
             if evaluate:
                 row.update({f"eval/{k}": v for k, v in run.objective.evaluate().items()})
-                if not run.rng.replayable and not last and folder:
+                if run.rng.guarantee and folder:
                     # Held-out metrics reveal this step's releases. With secure noise a resume
                     # redraws the noise of steps after its checkpoint, so checkpoint (and charge)
-                    # them before anything that depends on them is written.
+                    # them before anything that depends on them is written; a keyed replay must
+                    # reproduce the checkpoint's digest (RunFolder.save_checkpoint).
                     folder.save_checkpoint(run)
                     saved = True
             if folder:
@@ -133,7 +134,7 @@ def finish(run: Run, t0: float, *, evaluate: bool = True) -> dict[str, Any]:
     """The final checkpoint (the training state: a resume continues from the iterate, not from the
     output, which an update rule may pick as an average or an earlier iterate), the output
     parameters, the held-out metrics and the summary."""
-    if run.folder:
+    if run.folder and run.folder.saved_step != run.step:
         run.folder.save_checkpoint(run)
     final = run.output_params()
     if final is not run.params:
