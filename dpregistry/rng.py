@@ -28,7 +28,7 @@ import re
 import torch
 
 from .errors import UserError
-from .privacy.secret import CipherStream, SecretStream, SeededStream, fingerprint, new_key, subkey
+from .privacy.secret import CipherStream, SecretStream, SeededStream, fingerprint, label_bytes, new_key, subkey
 
 NOISE_KEY_ENV = "DPREG_NOISE_KEY"
 NOISE_MODES = ("secure", "keyed", "reproducible")
@@ -37,7 +37,7 @@ MAKE_A_KEY = 'python -c "import secrets; print(secrets.token_hex(32))"'
 
 def derive(*parts: object) -> int:
     """A 63-bit integer from SHA-256 of the parts (stable across processes and platforms)."""
-    h = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
+    h = hashlib.sha256(label_bytes(*parts)).digest()
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 

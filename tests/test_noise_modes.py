@@ -600,3 +600,15 @@ def test_every_held_out_row_is_written_after_the_checkpoint_of_its_step(tmp_path
     recipe = mode(noise, dict(RECIPE, train=dict(RECIPE["train"], eval_every=2, checkpoint_every=5)))
     make_run(recipe, tmp_path, out=tmp_path / noise).train()
     assert order == [(0, True), (2, True), (4, True), (6, True)]  # checkpoints every 5 steps would not give these
+
+
+def test_stream_labels_name_one_stream_per_tuple_of_parts():
+    """Labels are joined by a separator that no part may hold, so two purposes never share a stream."""
+    from dpregistry.rng import derive
+
+    key = secret.new_key()
+    with pytest.raises(ValueError, match="separator"):
+        secret.subkey(key, "noise\x1f3")
+    with pytest.raises(ValueError, match="separator"):
+        derive("batches\x1f3")
+    assert secret.subkey(key, "noise", 3) != secret.subkey(key, "noise3") != secret.subkey(key, "noise", "3", "")

@@ -49,10 +49,18 @@ def new_key() -> bytes:
     return os.urandom(KEY_BYTES)
 
 
+def label_bytes(*parts: object) -> bytes:
+    """The parts joined by the unit separator, which no part may hold: otherwise the parts "a", "b"
+    and the one part "a", separator, "b" would name one stream."""
+    texts = [str(p) for p in parts]
+    if any("\x1f" in t for t in texts):
+        raise ValueError(f"a stream label part holds the separator \\x1f: {texts!r}")
+    return "\x1f".join(texts).encode()
+
+
 def subkey(key: bytes, *label: object) -> bytes:
     """HMAC-SHA256(key, label): independent keys for independent uses of one secret."""
-    msg = "\x1f".join(str(p) for p in label).encode()
-    return hmac.new(key, msg, hashlib.sha256).digest()
+    return hmac.new(key, label_bytes(*label), hashlib.sha256).digest()
 
 
 def fingerprint(key: bytes) -> str:
