@@ -426,7 +426,7 @@ def privacy_report(run_dir: Path,
                    points: Annotated[int, typer.Option("--points", help="steps at which to recompute ε")] = 25,
                    as_json: Annotated[bool, typer.Option("--json")] = False):
     """The privacy ledger of a run: events, ε over steps, the accountant, and a PNG plot."""
-    from .report import privacy_report as build
+    from .report import ledger_rows, privacy_report as build
 
     with user_errors():
         if not 1 <= points <= MAX_POINTS:
@@ -453,16 +453,14 @@ def privacy_report(run_dir: Path,
     console.print(f"privacy unit: {unit_statement(rep.get('summary') or {'unit': rep.get('unit')})}")
     if rep.get("noise_multiplier") is not None:
         console.print(f"noise multiplier {rep['noise_multiplier']:.6g}")
-    t = Table("steps", "count", "partition", "event", title="ledger")
-    for e in rep["ledger"]:
-        t.add_row(f"{e['first_step']}–{e['last_step']}", str(e["count"]), str(e["partition"] or "all"),
-                  e["describe"])
+    t = Table("steps", "count", "partition", "event", title="ledger (entries alike on one row; --json lists each)")
+    for r in ledger_rows(rep["ledger"]):
+        t.add_row(r["steps"], r["count"], r["partition"], r["event"])
     console.print(t)
     curve = rep["spent_over_steps"]
     if curve:
-        shown = curve if len(curve) <= 10 else [curve[round(i * (len(curve) - 1) / 9)] for i in range(10)]
         t = Table("steps", rep["spent_label"], title="privacy spent over steps")
-        for k, v in shown:
+        for k, v in curve:
             t.add_row(str(k), f"{v:.4g}")
         console.print(t)
     if rep.get("plot"):

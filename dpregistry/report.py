@@ -153,6 +153,27 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
     }
 
 
+def ledger_rows(ledger: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The ledger for reading: entries with the same event and count per entry are one row (in the
+    order of their first charge), so 400 episodes' tree charges are one line, not 400; the JSON
+    report keeps every entry."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for e in ledger:
+        groups.setdefault((e["describe"], e["count"], e["last_step"] - e["first_step"]), []).append(e)
+    rows = []
+    for (describe, count, _), es in groups.items():
+        first, last = es[0], es[-1]
+        steps = f"{first['first_step']}–{last['last_step']}"
+        parts = [e["partition"] or "all" for e in es]
+        if len(es) > 1:
+            strides = {b["first_step"] - a["first_step"] for a, b in zip(es, es[1:])}
+            steps += f", every {strides.pop()}" if len(strides) == 1 else f", {len(es)} spans"
+            parts = [parts[0]] if len(set(parts)) == 1 else [f"{parts[0]} … {parts[-1]} ({len(set(parts))})"]
+        rows.append({"steps": steps, "count": f"{count}" if len(es) == 1 else f"{len(es)} × {count}",
+                     "partition": parts[0], "event": describe})
+    return rows
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         obj = json.loads(read_regular(path, "JSON file", limit=MAX_JSON_BYTES))
@@ -238,9 +259,9 @@ def write_report(run_dir: Path) -> list[Path]:
               f"| noise | {recipe['privacy'].get('noise')}: {noise_statement(recipe['privacy'].get('noise'))} |",
               f"| privacy unit | {unit_statement(summary or {'unit': rep['unit']})} |", ""]
     lines += ["Charges (the privacy ledger):", ""]
-    for e in rep["ledger"]:
-        part = f", partition {e['partition']}" if e.get("partition") else ""
-        lines.append(f"- steps {e['first_step']}–{e['last_step']}: {e['count']} × {e['describe']}{part}")
+    for r in ledger_rows(rep["ledger"]):
+        part = f", partition {r['partition']}" if r["partition"] != "all" else ""
+        lines.append(f"- steps {r['steps']}: {r['count']} × {r['event']}{part}")
     lines.append("")
     final_metrics = summary.get("metrics") or {}
     if final_metrics:

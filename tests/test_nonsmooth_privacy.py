@@ -194,8 +194,14 @@ def test_privacy_report_shows_the_tree_charges(tmp_path):
     assert kinds == [("tree_aggregation", "period0"), ("concentration_failure", "period0"),
                      ("tree_aggregation", "period1"), ("concentration_failure", "period1")]
     assert data["epsilon"] <= 2.0
-    text = cli.invoke(app, ["privacy", "report", str(out)])
+    text = cli.invoke(app, ["privacy", "report", str(out), "--points", "8"], terminal_width=200)
     assert text.exit_code == 0 and "tree(" in text.output and "δ_fail" in text.output
+    # one row per kind of charge over the two periods, and every point of the JSON report
+    assert text.output.count("period0 … period1 (2)") == 2
+    points = json.loads(cli.invoke(app, ["privacy", "report", str(out), "--json", "--points", "8"]).output)
+    assert [int(line.split("│")[1]) for line in text.output.splitlines()
+            if line.startswith("│") and line.split("│")[1].strip().isdigit()] == [
+                k for k, _ in points["spent_over_steps"]]
     # a fresh process: the plugin's event type must be registered before the ledger is read
     proc = subprocess.run([sys.executable, "-m", "dpregistry", "privacy", "report", str(out), "--json"],
                           capture_output=True, text=True, timeout=300)
@@ -285,3 +291,18 @@ def test_zcdp_fail_never_admits_a_rounding_over_a_rho_budget():
     assert not acc.fits([Charge(ZCDP(third), count=3)])
     assert acc.fits([Charge(ZCDP(rho / 3), count=3)]) == (3 * Fraction(rho / 3) <= Fraction(rho))
     assert acc.fits([Charge(ZCDP(rho))])
+
+
+def test_the_ledger_reads_as_one_row_per_kind_of_charge():
+    """400 episodes' tree charges on disjoint partitions are one row that says how many, where and
+    how often; charges that differ stay apart."""
+    from dpregistry.report import ledger_rows
+
+    tree = [{"describe": "tree", "count": 1, "partition": f"period{i}", "first_step": 50 * i, "last_step": 50 * i}
+            for i in range(400)]
+    steps = {"describe": "gaussian", "count": 7, "partition": None, "first_step": 0, "last_step": 6}
+    rows = ledger_rows([steps] + tree + [dict(tree[0], count=2, first_step=20000, last_step=20000)])
+    assert rows == [{"steps": "0–6", "count": "7", "partition": "all", "event": "gaussian"},
+                    {"steps": "0–19950, every 50", "count": "400 × 1", "partition": "period0 … period399 (400)",
+                     "event": "tree"},
+                    {"steps": "20000–20000", "count": "2", "partition": "period0", "event": "tree"}]
