@@ -185,8 +185,9 @@ def test_uniform_sampler_charges_sampling_without_replacement(tmp_path):
     direct.compose(dpa.SampledWithoutReplacementDpEvent(N, BATCH, dpa.GaussianDpEvent(z / 2)), 5)
     assert run.epsilon() == pytest.approx(direct.get_epsilon(1e-5), rel=1e-12)
     assert all(len(run.sampler.indices(run.ctx.at(t)).unique()) == BATCH for t in range(3))
-    with pytest.raises(UserError, match="cannot account 'sampled_without_replacement'"):
+    with pytest.raises(UserError, match="cannot account 'sampled_without_replacement'") as refused:
         make_run(recipe(sampler={"name": "uniform", "batch_size": BATCH}, accountant="pld"), tmp_path)
+    assert refused.value.key == "accountant" and refused.value.line is not None  # the recipe's accountant line
     with pytest.raises(UserError, match="replace-one"):
         make_run(recipe(sampler={"name": "uniform", "batch_size": BATCH}, privacy={"relation": "add_remove"}), tmp_path)
 

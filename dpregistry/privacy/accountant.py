@@ -166,7 +166,7 @@ class Accountant(Stage):
             for ev in nodes(e):
                 if ev.type not in self.supports:
                     raise UserError(f"accountant {self.name!r} cannot account {ev.type!r} events; "
-                                    f"it supports {', '.join(sorted(self.supports))}")
+                                    f"it supports {', '.join(sorted(self.supports))}", key="accountant")
 
     def epsilon(self, delta: float | None = None, extra: Iterable[Charge] = ()) -> float:
         delta = self.budget.delta if delta is None else delta

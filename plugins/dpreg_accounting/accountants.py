@@ -424,7 +424,7 @@ def pld_of(ev: PrivacyEvent, relation: str, discretization: float):
                                               value_discretization_interval=discretization)
     if isinstance(ev, NonPrivate):
         return math.inf
-    raise UserError(f"the pld accountant cannot account {ev.type!r} events (use rdp or zcdp)")
+    raise UserError(f"the pld accountant cannot account {ev.type!r} events (use rdp or zcdp)", key="accountant")
 
 
 def _self_compose(pld, m: int):
