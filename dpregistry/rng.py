@@ -41,6 +41,17 @@ def derive(*parts: object) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
+def _patterned(text: str) -> bool:
+    """A text that repeats itself ("0123456789abcdef" twice) or steps through its alphabet evenly
+    ("02468ace..."): typed, not drawn. A random key of 32 characters is either with probability
+    below 16⁻¹⁶, so no drawn key is refused; words and passphrases are not caught (a heuristic)."""
+    n = len(text)
+    if any(all(text[i] == text[i + p] for i in range(n - p)) for p in range(1, n // 2 + 1)):
+        return True
+    steps = {ord(b) - ord(a) for a, b in zip(text, text[1:])}
+    return len(steps) <= 2  # a run like "abc...xyz" or "0123456789abcdef" (one jump between ranges)
+
+
 def key_from_env(text: str | None) -> bytes:
     """The 256-bit run key of ``keyed`` mode, from DPREG_NOISE_KEY; refuses a key with less than 128
     bits of entropy: at least 32 hex digits, or 22 base64 characters."""
@@ -50,7 +61,7 @@ def key_from_env(text: str | None) -> bytes:
     hexadecimal = re.fullmatch(r"[0-9a-fA-F]+", text) is not None
     base64 = re.fullmatch(r"[A-Za-z0-9+/_-]+={0,2}", text) is not None
     strong = (len(text) >= 32 if hexadecimal else base64 and len(text.rstrip("=")) >= 22) and len(set(text)) >= 8
-    if not strong:
+    if not strong or _patterned(text.rstrip("=").lower() if hexadecimal else text.rstrip("=")):
         raise UserError(f"{NOISE_KEY_ENV} is too weak for a secret noise key (it needs at least 128 random bits: "
                         f"32 hex digits or 22 base64 characters); make one with {MAKE_A_KEY}")
     return subkey(b"dpregistry-keyed-noise", text)

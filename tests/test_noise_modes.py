@@ -76,15 +76,21 @@ def test_keyed_noise_is_secret_and_reproducible_for_the_key_holder(tmp_path, mon
 
 
 @pytest.mark.parametrize("weak", ["s3cret", "0123456789abcdef0123456789abcde", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
-                                  "correct horse battery staple", "QUJDREVGR0hJSktMTU5PUFFS"[:21]])
+                                  "correct horse battery staple", "QUJDREVGR0hJSktMTU5PUFFS"[:21],
+                                  "0123456789abcdef0123456789abcdef", "deadbeefcafebabe" * 2,
+                                  "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdef"])
 def test_a_key_with_less_than_128_bits_is_refused_with_how_to_make_one(weak):
     with pytest.raises(UserError, match="secrets.token_hex"):
         key_from_env(weak)
 
 
 def test_strong_keys_in_hex_and_base64_are_accepted():
+    import secrets
+
     assert len(key_from_env(KEY[:32])) == 32
     assert len(key_from_env("q3Zk9_Lm2Xv7Rt4Yp1Wn8s")) == 32  # 22 base64 characters (132 bits)
+    for _ in range(2000):  # the pattern checks refuse no drawn key
+        key_from_env(secrets.token_hex(16)), key_from_env(secrets.token_urlsafe(16))
 
 
 def test_keyed_mode_without_a_key_is_refused_at_the_recipe_key(tmp_path, monkeypatch):
