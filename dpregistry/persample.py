@@ -760,6 +760,30 @@ def check_forward_is_pure(model: nn.Module) -> None:
                             "LayerNorm")
 
 
+def check_examples_independent(losses_of: Callable[[torch.Tensor], torch.Tensor], n_train: int,
+                               device: torch.device, together: torch.Tensor | None = None,
+                               what: str = "per-example losses") -> None:
+    """Refuse a forward in which example 0's loss depends on example 1: one record would move every
+    other example's loss, and so its gradient or finite difference, past any per-example clipping.
+    ``together``: the losses of examples 0 and 1 in one batch, if already computed. The random
+    state is restored (the run's dropout masks stay as they were)."""
+    if n_train < 2:
+        return
+    with _random_state_kept(device), torch.no_grad():
+        if together is None:
+            together = losses_of(torch.arange(2))
+        alone = losses_of(torch.arange(1))
+    together, alone = together.detach().reshape(-1)[0], alone.reshape(-1)[0].to(together.dtype)
+    tol = max(1e-4, 64 * torch.finfo(together.dtype).eps) * (1 + float(together.abs()))
+    if bool(torch.isfinite(together)) and not float((together - alone).abs()) <= tol:
+        raise UserError(f"{what}: the first training example's loss is {float(together):.6g} beside the second "
+                        f"and {float(alone):.6g} alone; the forward mixes the examples of a batch (batch "
+                        "statistics, a sum or mean over dimension 0, attention across the batch), so clipping "
+                        "one example's contribution would not bound its influence; or the loss is random "
+                        "(augmentation drawn inside it: draw it in the data instead, so a forward is a function "
+                        "of the weights and the example)")
+
+
 def _check_supported(name: str, module: nn.Module) -> None:
     if isinstance(module, nn.Embedding) and type(module) is nn.Embedding and module.scale_grad_by_freq:
         raise UserError(f"per-example gradients: embedding {name} uses scale_grad_by_freq, which mixes the "
@@ -1275,23 +1299,9 @@ class GradSampler:
             with torch.enable_grad(), self.capture(n):
                 losses = losses_of(torch.arange(n))
             self.contribution(losses).backward()
-        if n == 2:
-            with _random_state_kept(device), torch.no_grad():
-                alone = losses_of(torch.arange(1))
-            self._check_independent(losses.detach()[0], alone.reshape(-1)[0])
-
-    def _check_independent(self, together: torch.Tensor, alone: torch.Tensor) -> None:
-        """Example 0's loss must not depend on example 1 (the layout check sees backprops only, so
-        a layer that mixes examples before the first hooked layer, batch statistics say, would pass
-        it): such a forward lets one record move every other's gradient, past any clipping."""
-        tol = max(1e-4, 64 * torch.finfo(together.dtype).eps) * (1 + float(together.abs()))
-        if bool(torch.isfinite(together)) and not float((together - alone.to(together.dtype)).abs()) <= tol:
-            raise UserError(f"per-example gradients: the first training example's loss is {float(together):.6g} "
-                            f"beside the second and {float(alone):.6g} alone; the forward mixes the examples of a "
-                            "batch (batch statistics, a sum over dimension 0, attention across the batch), so "
-                            "clipping one example's gradient would not bound its influence; or the loss is random "
-                            "(augmentation drawn inside it: draw it in the data instead, so a forward is a function "
-                            "of the weights and the example)")
+        # the layout check sees backprops only: a layer that mixes examples before the first
+        # hooked layer (batch statistics, say) would pass it
+        check_examples_independent(losses_of, n_train, device, losses.detach(), "per-example gradients")
 
     def contribution(self, losses: torch.Tensor, cls: type | None = None, **extra) -> "HookContribution":
         """The lazy contribution of Σ_i loss_i (non-finite losses are masked out). Its backward runs

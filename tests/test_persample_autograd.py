@@ -600,6 +600,28 @@ def test_a_forward_that_mixes_examples_before_any_hooked_layer_is_refused(norm, 
         setup(model, regression(model, 6, (4,)))
 
 
+@pytest.mark.parametrize("recipe", [
+    {"algorithm": "dpzero", "estimator": {"name": "zo_two_point"}, "update": {"name": "directional_sgd", "lr": 1e-3}},
+    {"algorithm": "dpgd_0th", "update": {"name": "sgd", "lr": 1e-3}},
+])
+def test_zeroth_order_estimators_refuse_a_forward_that_mixes_examples(recipe):
+    """The two-point difference of one example is clipped, but with batch centring one replaced
+    example moved every example's difference: the released sum by 9.6 × the charged 2C in a review.
+    The estimators run the first-order setup's probe (example 0 alone against beside example 1)."""
+    import dpregistry
+    from torch.utils.data import TensorDataset
+
+    X, Y = torch.randn(16, 4), torch.randn(16)
+    recipe = {**recipe, "sampler": {"name": "poisson", "batch_size": 8},
+              "privatizer": {"clip": 0.5, "noise_multiplier": 1.0}, "accountant": "rdp",
+              "privacy": {"epsilon": 1e6, "delta": 1e-5}, "train": {"steps": 1}}
+    loss = lambda out, y: (out - y) ** 2  # noqa: E731
+    with pytest.raises(UserError, match="mixes the examples of a batch"):
+        dpregistry.train(recipe, model=Centred(), loss=loss, train_data=TensorDataset(X, Y), verbose=False)
+    model = nn.Sequential(nn.Linear(4, 1), nn.Flatten(0))  # per example: trains
+    assert dpregistry.train(recipe, model=model, loss=loss, train_data=TensorDataset(X, Y), verbose=False).run.step == 1
+
+
 def test_batch_norm_with_running_statistics_in_eval_mode_is_per_example():
     torch.manual_seed(0)
     norm = nn.BatchNorm1d(4)

@@ -9,7 +9,8 @@ from pydantic import Field
 
 from dpregistry import Estimator, Objective, StageParams, UserError
 from dpregistry.directions import Direction
-from dpregistry.persample import PASSES_HELP, GradSampler, LayerGradients, check_passes, layer_gradients
+from dpregistry.persample import (PASSES_HELP, GradSampler, LayerGradients, check_examples_independent, check_passes,
+                                  layer_gradients)
 from dpregistry.zeroth_order import central_differences
 from dpregistry.spaces import DENSE, SEEDED_DIRECTION, DenseContribution, DirectionContribution, acc_dtype
 
@@ -108,6 +109,11 @@ class ZOTwoPoint(Estimator):
     user_level = True
     space = SEEDED_DIRECTION
     Params = ZOParams
+    needs = (Objective,)
+
+    def setup(self, ctx):
+        objective = ctx.need(Objective)
+        check_examples_independent(objective.losses, objective.n_train, ctx.device)
 
     def contributions(self, objective, indices, ctx):
         names = tuple(ctx.params)

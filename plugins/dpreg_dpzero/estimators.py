@@ -15,9 +15,10 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from dpregistry import Estimator, StageParams
+from dpregistry import Estimator, Objective, StageParams
 from dpregistry.context import Context
 from dpregistry.directions import Direction
+from dpregistry.persample import check_examples_independent
 from dpregistry.spaces import VECTOR_ZO, VectorZOContribution
 from dpregistry.zeroth_order import central_differences
 
@@ -46,6 +47,11 @@ class ZOTwoPointVector(Estimator):
     name = "zo_two_point_vector"
     space = VECTOR_ZO
     Params = ZOVectorParams
+    needs = (Objective,)
+
+    def setup(self, ctx):
+        objective = ctx.need(Objective)
+        check_examples_independent(objective.losses, objective.n_train, ctx.device)
 
     def contributions(self, objective, indices, ctx):
         m, lam = self.cfg.directions, self.cfg.smoothing
