@@ -27,7 +27,7 @@ def dp_sgd(**over):
 # -- a stated budget is enforced, or the recipe is refused ------------------------------------
 
 
-KEY_A, KEY_B = "0123456789abcdef" * 2, "fedcba9876543210" * 2
+KEY_A, KEY_B = "3f1c9a7be2d54c6a8b0e1f2a3c4d5e6f", "9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c4d"
 
 
 def two_ranks():

@@ -306,3 +306,29 @@ def test_the_ledger_reads_as_one_row_per_kind_of_charge():
                     {"steps": "0–19950, every 50", "count": "400 × 1", "partition": "period0 … period399 (400)",
                      "event": "tree"},
                     {"steps": "20000–20000", "count": "2", "partition": "period0", "event": "tree"}]
+
+
+@pytest.mark.parametrize("mode", ["paper", "clip"])
+def test_a_record_outside_the_declared_lipschitz_domain_moves_the_sum_by_at_most_the_sensitivity(tmp_path, mode):
+    """min_of_norms declares L = 1.1 for data in the unit ball. A record at 100 broke paper mode's
+    bound by 10 × in a review (paper mode trusted L); both modes now clip at the public bound (where
+    L holds the clip never binds: the shipped recipes' fingerprints are unchanged)."""
+    from dpregistry.api import load_recipe
+    from dpregistry.run import Run
+
+    def clipped_sum(record):
+        run = Run(load_recipe("klt_sp_fo_min_of_norms", ["train.steps=200", "objective.n=2000",
+                                                         f"estimator.privacy_mode={mode}"])).prepare()
+        run.begin_step()
+        idx = run.sampler.order[:run.privatizer.settings.batch_first]
+        if record is not None:
+            run.objective.z[int(idx[0])] = record
+        torch.manual_seed(0)
+        total = run.privatize_batch(idx)
+        charged = run.privatizer.sensitivities()["fresh"] * len(idx)  # 2R/B on the mean: 2R on the sum
+        return torch.cat([v.reshape(-1).double() for v in total.aggregate.tensors.values()]), charged, total
+
+    base, charged, _ = clipped_sum(None)
+    moved, _, total = clipped_sum(100.0)
+    assert total.clipped == 1
+    assert float((moved - base).norm()) <= charged * (1 + 1e-6)  # before: 10.2 × the charged 2R

@@ -10,10 +10,11 @@
 * ``zo_sphere_grad``: the naive oracle of ZTC App. E: a fresh estimate at every step (a GRADIENT).
 
 Every contribution carries a public per-example norm bound (``info["bound"]``) that the
-privatizer turns into the sensitivity 2·bound/B (replace-one) and, with ``privacy_mode: clip``,
-enforces by clipping (spec 001 coupling 10, spec 002 §2.6 safety_clip). In ``paper`` mode the
-bound rests on the objective being L-Lipschitz (the objective must declare it) and, for KLT's
-high-probability bounds, on a concentration event whose failure probability is charged.
+privatizer turns into the sensitivity 2·bound/B (replace-one) and enforces by clipping (spec 001
+coupling 10, spec 002 §2.6 safety_clip). In ``paper`` mode the bound is the papers': it rests on
+the objective being L-Lipschitz (the objective must declare it) and, for KLT's high-probability
+bounds, on a concentration event whose failure probability is charged; where those hold the clip
+never binds (the run is the papers' bit for bit), where they fail it keeps the sensitivity.
 Directions come from per-(step, slot, side) generators, independent of the records (coupled
 randomness, spec 002 §2.2): public ones where the bound holds for every draw, secret ones (from the
 run's noise key) where the privatizer relies on a high-probability bound and charges its δ_fail.
@@ -57,8 +58,10 @@ class OracleParams(StageParams):
     smooth_radius: float = Field(gt=0, description="δ (ZTC) / α (KLT): smoothing and Goldstein radius")
     lipschitz: float = Field(default=1.0, gt=0, description="L: per-record Lipschitz constant (a privacy parameter)")
     privacy_mode: Literal["paper", "clip"] = Field(
-        default="paper", description="paper: trust L (and high-probability bounds, charged as δ_fail); "
-                                     "clip: enforce every bound by clipping (deterministic sensitivity)")
+        default="paper", description="paper: the papers' accounting (bounds from L; high-probability bounds "
+                                     "charged as δ_fail), each bound also clipped at as a safety net; clip: the "
+                                     "same clip, no δ_fail (the sensitivity is deterministic), for objectives "
+                                     "without a declared L")
     delta_fail: Annotated[float, Field(ge=0, lt=1)] | Literal["auto"] = Field(
         default=0.0, description="per-use failure probability γ of the concentration bounds (0: worst-case bounds)")
 
@@ -188,8 +191,7 @@ class OracleEstimator(Estimator):
             per, losses = self._increment(x, prev, indices, ctx)
         self.state.prev = x
         yield DenseContribution(per_example=self.view.unflatten(per), kind=self.contribution_kind, losses=losses,
-                                info={"bound": R, "gamma": gamma, "fresh": fresh, "gap": gap,
-                                      "enforce": self.cfg.privacy_mode == "clip"})
+                                info={"bound": R, "gamma": gamma, "fresh": fresh, "gap": gap})
 
     # -- helpers ---------------------------------------------------------------------------------
 
