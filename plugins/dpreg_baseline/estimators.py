@@ -109,13 +109,16 @@ class ZOTwoPoint(Estimator):
     user_level = True
     space = SEEDED_DIRECTION
     Params = ZOParams
-    needs = (Objective,)
 
     def setup(self, ctx):
-        objective = ctx.need(Objective)
-        check_examples_independent(objective.losses, objective.n_train, ctx.device)
+        self._probed = False
 
     def contributions(self, objective, indices, ctx):
+        # A forward that mixes a batch moves every example's difference (first-order's setup probe,
+        # at the first step: at setup it would make a head-only objective encode its data early).
+        if not self._probed:
+            check_examples_independent(objective.losses, objective.n_train, ctx.device)
+            self._probed = True
         names = tuple(ctx.params)
         u = Direction(ctx.rng.seed("direction", ctx.step), self.cfg.direction)
         lam = self.cfg.smoothing

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from dpregistry import Estimator, Objective, StageParams
+from dpregistry import Estimator, StageParams
 from dpregistry.context import Context
 from dpregistry.directions import Direction
 from dpregistry.persample import check_examples_independent
@@ -47,13 +47,14 @@ class ZOTwoPointVector(Estimator):
     name = "zo_two_point_vector"
     space = VECTOR_ZO
     Params = ZOVectorParams
-    needs = (Objective,)
 
     def setup(self, ctx):
-        objective = ctx.need(Objective)
-        check_examples_independent(objective.losses, objective.n_train, ctx.device)
+        self._probed = False
 
     def contributions(self, objective, indices, ctx):
+        if not self._probed:  # a forward that mixes a batch (zo_two_point's probe, at the first step)
+            check_examples_independent(objective.losses, objective.n_train, ctx.device)
+            self._probed = True
         m, lam = self.cfg.directions, self.cfg.smoothing
         dirs = tuple(direction_for(ctx, j, self.cfg.direction) for j in range(m))
         cols, mids = [], []
