@@ -377,6 +377,7 @@ def test_simulator_matches_a_real_run(tmp_path, algorithm, method):
     assert 0 < run.history[-1]["clipped_fraction"] < 1
 
 
+@pytest.mark.slow
 def test_reduced_grid_reproduces_the_papers_shape():
     """Spec §8 Q on a reduced grid, 3 seeds (data, directions and noise), medians:
     Q1 mode (c): DPZero(2000)/DPZero(200) < 2.5; Q2 modes (a), (c): DPGD-0th ≥ 1.8 × DPZero at

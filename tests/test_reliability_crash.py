@@ -169,7 +169,6 @@ def kill_and_resume(name: str, recipe: Path, ref_seconds: float, startup: float,
     return stats
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_sigkill_at_random_moments_then_resume_is_bit_identical(name, reference, tmp_path):
     recipe, ref_out, ref_seconds, startup = reference[name]
