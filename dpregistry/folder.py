@@ -48,7 +48,7 @@ class RunFolder:
         self.writer = writer
         self.checkpoints = self.path / "checkpoints"
         self.metrics = self.path / "metrics.jsonl"
-        self.saved_step: int | None = None  # of the newest checkpoint this process wrote
+        self.saved: tuple[int, list] | None = None  # (step, ledger) of the newest checkpoint this process holds
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -93,7 +93,7 @@ class RunFolder:
         # A keyed run may replay steps after its checkpoint with the same noise: each checkpoint's
         # digest is recorded, and a replay that does not reproduce it stops before writing.
         state = ckpt.tensor_digest(tensors, {"state": meta["state"]}) if run.rng.noise_mode == "keyed" else None
-        if state is not None:
+        if state is not None and not (self.saved and self.saved[0] == run.step):  # not this process's own step again
             journal.check_replay(run.step, state)
         with self.storage(path):
             self.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -103,7 +103,7 @@ class RunFolder:
             # file, which a resume accepts (the checkpoint's ledger extends the last line).
             journal.record(run.step, meta["ledger"], state)
             ckpt.prune(self.checkpoints, run.recipe.train.keep_checkpoints)
-        self.saved_step = run.step
+        self.saved = (run.step, json.loads(json.dumps(meta["ledger"])))
         return path
 
     def append_metrics(self, row: dict[str, Any]) -> None:
@@ -383,6 +383,8 @@ def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int
     tensors, meta, path = found
     run.load_state(tensors, meta)
     _check_ledger(run, meta, path)
+    if LedgerFile(out_dir).at(run.step) == meta["ledger"]:  # on file and recorded (a torn line is written again)
+        folder.saved = (run.step, meta["ledger"])  # so a finished run's finish() need not write it again
     if run.nonfinite_steps > recipe.train.max_nonfinite_steps:
         raise UserError(f"the run stopped at its non-finite limit ({run.nonfinite_steps} steps had non-finite losses "
                         f"or gradients; train.max_nonfinite_steps = {recipe.train.max_nonfinite_steps}); fix the "

@@ -9,15 +9,15 @@ the checkpoints, the output model and the summary.
 
 from __future__ import annotations
 
+import json
 import platform
 import signal
-import json
 import time
 from typing import Any, Callable
 
 import torch
 
-from . import __version__
+from . import __version__, checkpoint as ckpt
 from .errors import BudgetExhausted
 from .run import _OUT_OF_MEMORY, Run
 from .signals import Interrupted, graceful_stop
@@ -45,6 +45,11 @@ def train(run: Run, progress: Callable | None = None) -> dict[str, Any]:
             # Half a step: the parameters may be half updated, so nothing of it is written; the newest
             # checkpoint stays the state, and its ledger covers everything released so far.
             run.stop_reason = f"interrupted by {signal.Signals(e.signum).name} during step {run.step + 1}"
+            # The caller gets that state back too: the half-updated parameters (a release of this
+            # step, perhaps) would be released again, with other noise, by a resume.
+            found = run.folder and ckpt.latest_valid(run.folder.checkpoints, warn=lambda m: None)
+            if found:
+                run.load_state(*found[:2])
             return _summary(run, {}, t0, written=False)
         run.stop_reason = f"interrupted by {signal.Signals(e.signum).name} after step {run.step}"
         return finish(run, t0, evaluate=False)
@@ -83,6 +88,10 @@ def _steps(run: Run, progress, tau, t0, state) -> None:
         except BudgetExhausted as e:
             run.stop_reason = f"privacy budget exhausted at step {run.step}: {e}"
             state["in_step"] = False
+            if run.accountant.ledger.last_step == run.step:
+                # A query was released and charged before the budget ran out (the norm query that
+                # decided the stop): the step counts, so the final checkpoint holds its charge.
+                run.step += 1
             break
         except _OUT_OF_MEMORY:
             # Nothing of this step reaches the disk; the newest checkpoint stays the state.
@@ -134,7 +143,9 @@ def finish(run: Run, t0: float, *, evaluate: bool = True) -> dict[str, Any]:
     """The final checkpoint (the training state: a resume continues from the iterate, not from the
     output, which an update rule may pick as an average or an earlier iterate), the output
     parameters, the held-out metrics and the summary."""
-    if run.folder and run.folder.saved_step != run.step:
+    # Written unless the loop just wrote this step with this ledger (a step stopped by the budget
+    # may have charged a query after the step's checkpoint: its charge must reach the file).
+    if run.folder and run.folder.saved != (run.step, json.loads(json.dumps(run.accountant.ledger.to_json()))):
         run.folder.save_checkpoint(run)
     final = run.output_params()
     if final is not run.params:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 
 import numpy as np
 import pytest
@@ -618,3 +619,71 @@ def test_stream_labels_name_one_stream_per_tuple_of_parts():
     with pytest.raises(ValueError, match="separator"):
         derive("batches\x1f3")
     assert secret.subkey(key, "noise", 3) != secret.subkey(key, "noise3") != secret.subkey(key, "noise", "3", "")
+
+
+def test_a_keyed_replay_stopped_between_recorded_steps_writes_nothing_there(tmp_path, monkeypatch):
+    """A replay stopped at step 5 (recorded: 3 and 6) would write a checkpoint and a model at a step
+    with no digest, which a second replay elsewhere could release again unchecked."""
+    from dpregistry import checkpoint as ckpt
+
+    monkeypatch.setenv(NOISE_KEY_ENV, KEY)
+    out = tmp_path / "r"
+    final(make_run(mode("keyed"), tmp_path, out=out))
+    _lose_checkpoints_after(out, 3)
+    r = resume_run(out)
+
+    def stop(run, metrics):
+        if run.step == 5:
+            run.stop_reason = "test"
+
+    with pytest.raises(UserError, match="step 5 lies inside a replay"):
+        r.train(progress=stop)
+    assert [s for s, _ in ckpt.list_checkpoints(out / "checkpoints")] == [0, 3]
+    assert not (out / "model.safetensors").exists()
+    resume_run(out).train()  # resumed again, the replay reaches the recorded step 6 and goes on
+    assert (out / "model.safetensors").exists()
+
+
+def test_a_keyed_replay_of_steps_recorded_without_a_digest_is_refused(tmp_path, monkeypatch):
+    """ledger.jsonl lines written before the digests: a replay of them cannot be checked."""
+    from dpregistry.ledger_file import GENESIS, _digest
+
+    monkeypatch.setenv(NOISE_KEY_ENV, KEY)
+    out = tmp_path / "r"
+    final(make_run(mode("keyed"), tmp_path, out=out))
+    prev, lines = GENESIS, []
+    for line in (out / "ledger.jsonl").read_text().splitlines():
+        rec = {k: v for k, v in json.loads(line).items() if k != "state"}
+        rec.update(prev=prev, hash=_digest(prev, rec["step"], rec["entries"]))
+        prev = rec["hash"]
+        lines.append(json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n")
+    (out / "ledger.jsonl").write_text("".join(lines))
+    _lose_checkpoints_after(out, 3)
+    with pytest.raises(UserError, match="step 6 was recorded by an earlier dpregistry"):
+        resume_run(out).train()
+
+
+def test_an_interrupted_step_hands_back_the_checkpointed_state(tmp_path):
+    """A second signal inside step 5 (after its update) writes nothing of it; the run handed back
+    (dpregistry.train's Stopped.result) holds the newest checkpoint's parameters and ledger, not the
+    half step's, which a resume would release again with other noise."""
+    from dpregistry.signals import Interrupted
+
+    out = tmp_path / "r"
+    run = make_run(mode("secure"), tmp_path, out=out)
+    step = run.algorithm.step
+
+    def interrupted(r):
+        result = step(r)
+        if r.step == 4:
+            raise Interrupted(signal.SIGINT)
+        return result
+
+    run.algorithm.step = interrupted
+    summary = run.train()
+    assert summary["stopped"] == "interrupted by SIGINT during step 5" and run.step == 3
+    from dpregistry import checkpoint as ckpt
+
+    tensors, meta = ckpt.read(ckpt.checkpoint_path(out / "checkpoints", 3))
+    assert all(torch.equal(tensors[f"params/{k}"], v) for k, v in run.params.items())
+    assert run.accountant.ledger.to_json() == meta["ledger"]

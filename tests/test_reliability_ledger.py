@@ -177,3 +177,24 @@ def test_after_the_nonfinite_limit_resume_refuses_until_the_limit_is_raised(tmp_
     assert res.returncode == 0, res.stderr
     assert json.loads((out / "summary.json").read_text())["step"] == 12
     assert json.loads((out / "recipe.json").read_text())["recipe"]["train"]["max_nonfinite_steps"] == 5
+
+
+def test_a_step_stopped_by_the_budget_after_a_charge_keeps_the_charge(tmp_path, monkeypatch):
+    """Adaptive noisy GD releases and charges a norm query, then finds the step itself unaffordable
+    and stops: that query decided the stop, so the step counts, and the final checkpoint and
+    ledger.jsonl hold its charge (the final checkpoint was skipped as already written: the charge
+    was lost from both; before that, writing it crashed). The finished run then resumes."""
+    from conftest import RECIPES
+
+    monkeypatch.setenv("DPREG_NOISE_KEY", "3f1c9a7be2d54c6a8b0e1f2a3c4d5e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b1c2d")  # one path
+    out = tmp_path / "r"
+    run = make_run(RECIPES / "kl_adaptive_gd_diabetes.yaml", tmp_path, out=out,
+                   sets=["train.checkpoint_every=1", "train.keep_checkpoints=3", "train.progress=false", "privacy.noise=keyed",
+                         "train.log_every=1000"])
+    summary = run.train()
+    assert summary["stopped"].startswith(f"privacy budget exhausted at step {run.step - 1}")  # the charged stop
+    ledger = json.loads(json.dumps(run.accountant.ledger.to_json()))
+    assert ledger[-1]["last_step"] == run.step - 1
+    _, meta = ckpt.read(ckpt.list_checkpoints(out / "checkpoints")[-1][1])
+    assert meta["step"] == run.step and meta["ledger"] == ledger == LedgerFile(out).last["entries"]
+    assert resume_run(out).accountant.ledger.to_json() == ledger
