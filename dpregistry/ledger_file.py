@@ -80,8 +80,7 @@ class LedgerFile:
                 if not ok:
                     raise UserError(f"line {i} does not chain to the line before it (the ledger was edited or "
                                     f"damaged); refusing to resume from a ledger that may under-report", file=str(self.path))
-                if out and (rec["step"] < out[-1]["step"] or (rec["step"] == out[-1]["step"]
-                                                            and not extends(out[-1]["entries"], rec["entries"]))):
+                if out and rec["step"] <= out[-1]["step"]:
                     raise UserError(f"line {i} goes back to step {rec['step']}", file=str(self.path))
                 out.append(rec)
                 prev = rec["hash"]
@@ -100,17 +99,17 @@ class LedgerFile:
 
     def check_replay(self, step: int, state: str) -> None:
         """Refuse, before anything of it is written, a keyed run's checkpoint at a step it released
-        before unless ``state`` (the checkpoint's digest) is one recorded at that step. A keyed run
+        before unless ``state`` (the checkpoint's digest) is the one recorded at that step. A keyed run
         replays a step with the noise it drew before, so a recomputation that differs in the last bit
         (other GPU kernels, thread counts or library versions) would release two sums under one noise
         draw, whose difference is free of noise. A step below the newest recorded one that was never
         checkpointed cannot be checked: a replay writes nothing there (a stop inside a replay)."""
         lines = self.lines()
-        known = [r.get("state") for r in lines if r["step"] == step]
-        if state in known:
+        known = [r for r in lines if r["step"] == step]
+        if known and known[0].get("state") == state:
             return
         why = None
-        if known and None in known:
+        if known and "state" not in known[0]:
             why = (f"step {step} was recorded by an earlier dpregistry without the digest that would show whether this "
                    f"replay of it is the same release; resume with the version that wrote it, or restore the newer "
                    f"checkpoint")
@@ -128,16 +127,17 @@ class LedgerFile:
 
     def record(self, step: int, entries: list[dict[str, Any]], state: str | None = None) -> None:
         """Append the ledger of the checkpoint just written at ``step`` (with ``state``, the
-        checkpoint's digest, in keyed runs: see :meth:`check_replay`). A step already recorded with
-        this ledger (a replayed step, or the final checkpoint at a logged step) adds nothing; a step
-        recorded with less (a charge made after its checkpoint, by a step that then stopped on the
-        budget) gets a line of its own after it; a ledger that does not extend the lines before it
-        is a bug that would lose spending."""
+        checkpoint's digest, in keyed runs: see :meth:`check_replay`). A step already recorded (a
+        replayed step of a reproducible or keyed run, or the final checkpoint at a logged step) must
+        agree; a ledger that does not extend the newest line is a bug that would lose spending."""
         entries = json.loads(json.dumps(entries))
-        lines = self.lines()
-        if any(r["entries"] == entries for r in lines if r["step"] == step):
+        known = self.at(step)
+        if known is not None:
+            if known != entries:
+                raise RuntimeError(f"step {step}: the ledger differs from the one {self.path} recorded at that step")
             return
-        before = [r for r in lines if r["step"] <= step]
+        lines = self.lines()
+        before = [r for r in lines if r["step"] < step]
         after = [r for r in lines if r["step"] > step]
         if (before and not extends(before[-1]["entries"], entries)) or (after and not extends(entries, after[0]["entries"])):
             raise RuntimeError(f"step {step}: the ledger does not fit between the ones {self.path} recorded")

@@ -143,8 +143,8 @@ def finish(run: Run, t0: float, *, evaluate: bool = True) -> dict[str, Any]:
     """The final checkpoint (the training state: a resume continues from the iterate, not from the
     output, which an update rule may pick as an average or an earlier iterate), the output
     parameters, the held-out metrics and the summary."""
-    # Written unless the loop just wrote this step with this ledger (a step stopped by the budget
-    # may have charged a query after the step's checkpoint: its charge must reach the file).
+    # Written unless the loop just wrote this step with this ledger (were a charge made since, the
+    # ledger file would refuse the checkpoint loudly rather than lose it).
     if run.folder and run.folder.saved != (run.step, json.loads(json.dumps(run.accountant.ledger.to_json()))):
         run.folder.save_checkpoint(run)
     final = run.output_params()
