@@ -51,6 +51,12 @@ def tensor_digest(tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None 
 # -- nested state <-> (json, tensors) -----------------------------------------------------
 
 
+def state_digest(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
+    """What a keyed replay must reproduce at a step: the tensors and the stages' state (not the
+    ledger, the counters or the wall time). Recorded in ledger.jsonl (:mod:`dpregistry.ledger_file`)."""
+    return tensor_digest(tensors, {"state": meta["state"]})
+
+
 def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Replace tensors in a nested state by {"__tensor__": key}, collecting them in ``tensors``."""
     if isinstance(obj, torch.Tensor):

@@ -92,7 +92,7 @@ class RunFolder:
         journal = LedgerFile(self.path)
         # A keyed run may replay steps after its checkpoint with the same noise: each checkpoint's
         # digest is recorded, and a replay that does not reproduce it stops before writing.
-        state = ckpt.tensor_digest(tensors, {"state": meta["state"]}) if run.rng.noise_mode == "keyed" else None
+        state = ckpt.state_digest(tensors, meta) if run.rng.noise_mode == "keyed" else None
         if state is not None and not (self.saved and self.saved[0] == run.step):  # not this process's own step again
             journal.check_replay(run.step, state)
         with self.storage(path):
@@ -383,7 +383,12 @@ def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int
     tensors, meta, path = found
     run.load_state(tensors, meta)
     _check_ledger(run, meta, path)
-    if LedgerFile(out_dir).at(run.step) == meta["ledger"]:  # on file and recorded (a torn line is written again)
+    line = next((r for r in LedgerFile(out_dir).lines() if r["step"] == run.step), None)
+    if line and line.get("state") not in (None, ckpt.state_digest(tensors, meta)):
+        raise UserError(f"this checkpoint is not the one ledger.jsonl recorded at step {run.step} (its parameters or "
+                        f"state differ): a keyed run continued from it would replay the noise of other releases",
+                        file=str(path))
+    if line and line["entries"] == meta["ledger"]:  # recorded (a torn line is written again by finish)
         folder.saved = (run.step, meta["ledger"])  # so a finished run's finish() need not write it again
     if run.nonfinite_steps > recipe.train.max_nonfinite_steps:
         raise UserError(f"the run stopped at its non-finite limit ({run.nonfinite_steps} steps had non-finite losses "

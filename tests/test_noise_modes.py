@@ -687,3 +687,21 @@ def test_an_interrupted_step_hands_back_the_checkpointed_state(tmp_path):
     tensors, meta = ckpt.read(ckpt.checkpoint_path(out / "checkpoints", 3))
     assert all(torch.equal(tensors[f"params/{k}"], v) for k, v in run.params.items())
     assert run.accountant.ledger.to_json() == meta["ledger"]
+
+
+def test_a_keyed_checkpoint_swapped_for_another_at_its_step_is_refused(tmp_path, monkeypatch):
+    """The checkpoint a keyed run resumes from must be the one recorded at its step: another one (of
+    a second run of the same recipe, here with other data) would continue under this run's noise."""
+    from dpregistry import checkpoint as ckpt
+
+    monkeypatch.setenv(NOISE_KEY_ENV, KEY)
+    a, b = tmp_path / "a", tmp_path / "b"
+    final(make_run(mode("keyed"), tmp_path, out=a))
+    other = make_run(mode("keyed"), tmp_path, out=b)
+    other.objective.x_train.mul_(1.5)
+    other.train()
+    _lose_checkpoints_after(a, 3)
+    path = ckpt.checkpoint_path(a / "checkpoints", 3)
+    path.write_bytes(ckpt.checkpoint_path(b / "checkpoints", 3).read_bytes())
+    with pytest.raises(UserError, match="not the one ledger.jsonl recorded at step 3"):
+        resume_run(a)
