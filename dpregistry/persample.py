@@ -155,8 +155,7 @@ def _linear_weight_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, t
         # |Σ δA∘G + A∘δG| ≤ γ_in·n_aᵀ|G|n_a + γ_out·n_gᵀ|A|n_g, |δA_ts| ≤ γ_in‖a_t‖‖a_s‖ (n_a, n_g
         # from the Grams' diagonals); the products' rounding, 2u·Σ|A∘G| ≤ 2u·n_aᵀ|G|n_a, joins
         # the first term, and the second-order one is 3γ_inγ_out·M² (M = n_a·n_g)
-        na = aa.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().unsqueeze(2)
-        ng = gg.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().unsqueeze(2)
+        na, ng = _gram_row_norms(aa), _gram_row_norms(gg)
         ga, gb = _gamma(fin, u), _gamma(fout, u)
         # |G_ts| ≤ n_g(t)n_g(s) gives the looser (γ_in + γ_out + ...)·M²: enough where it is under
         # 2⁻¹⁰ of the norm² (no cancellation), and it skips four passes over B·T² (on a CPU: a
@@ -173,6 +172,11 @@ def _linear_weight_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, t
     sq = torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2), dtype=torch.float64)
     M, gt = _rows_norm_products(a, g), _gamma(T, u)
     return sq, 1.01 * (2 * gt * sq.sqrt() * M + gt * gt * M * M) + 4 * u * sq
+
+
+def _gram_row_norms(gram: torch.Tensor) -> torch.Tensor:
+    """‖x_t‖ from a Gram matrix's diagonal, [B, T, 1] (a rounded diagonal entry may dip below 0)."""
+    return gram.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().unsqueeze(2)
 
 
 def _rows_norm_products(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -352,7 +356,7 @@ def regroup(x: Piece, groups: torch.Tensor, n_groups: int) -> Piece:
     """The piece of the group sums Σ_{i in g} G_i (user-level clipping): the members' factors or
     rows side by side along the token axis (the norm of a sum is a quadratic form over the
     members, which the same ghost norm then computes), or dense rows added up."""
-    groups = groups.to(_piece_device(x))
+    groups = groups.to(_piece_tensor(x).device)
     if isinstance(x, torch.Tensor) or (isinstance(x, Outer) and x.materialised):
         m = _dense(x)
         return torch.zeros((n_groups, *m.shape[1:]), dtype=m.dtype, device=m.device).index_add_(0, groups, m)
@@ -380,12 +384,11 @@ def _slots(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
     return slot
 
 
-def _piece_device(x: Piece) -> torch.device:
-    if isinstance(x, torch.Tensor):
-        return x.device
+def _piece_tensor(x: Piece) -> torch.Tensor:
+    """The tensor that holds a piece's numbers (its device and dtype are the piece's)."""
     if isinstance(x, Rows):
-        return x.g.device
-    return (x.m if x.materialised else x.u).device
+        return x.g
+    return x.u if isinstance(x, Outer) and not x.materialised else _dense(x)
 
 
 def _sq_parts(x: Piece) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,7 +396,7 @@ def _sq_parts(x: Piece) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(x, Rows):  # Σ_{t,s} [ids_t = ids_s]⟨g_t, g_s⟩: off by γ_d·Σ_{same} ‖g_t‖‖g_s‖
         gram = torch.bmm(x.g, x.g.transpose(1, 2))
         same = _same_ids(x, x)
-        n = gram.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().unsqueeze(2)
+        n = _gram_row_norms(gram)
         u = _roundoff(x.g.dtype)
         err = _gamma(x.g.shape[-1], u) * (n * torch.bmm(same, n)).sum((1, 2), dtype=torch.float64)
         prod = same * gram
@@ -428,7 +431,7 @@ def _sq_of_sum(pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
     cross terms' error is bounded through the pieces' magnitudes (shared parameters are rare)."""
     if len(pieces) == 1:
         return _sq_parts(pieces[0])
-    u = _roundoff(_piece_dtype(pieces[0]))
+    u = _roundoff(_piece_tensor(pieces[0]).dtype)
     M = sum(_magnitude(p) for p in pieces)
     err = 1.01 * _gamma(max(_inner(p) for p in pieces), u) * (2 * M * M)
     if len(pieces) > MAX_CROSS_PIECES:
@@ -449,12 +452,6 @@ def _piece_rows64(x: Piece, idx: torch.Tensor) -> Piece:
     return _dense(x)[idx].double()
 
 
-def _piece_dtype(x: Piece) -> torch.dtype:
-    if isinstance(x, Rows):
-        return x.g.dtype
-    return (x.u if isinstance(x, Outer) and not x.materialised else _dense(x)).dtype
-
-
 def _sq_bound(pieces: list[Piece]) -> torch.Tensor:
     """‖Σ_k piece_k‖² per example, rounded up past the rounding error of its computation.
 
@@ -469,11 +466,11 @@ def _sq_bound(pieces: list[Piece]) -> torch.Tensor:
     (cancellation) the example's norm² is recomputed in float64, where it is 2⁻²⁹ times smaller.
     The result is in the pieces' dtype, rounded from above the true value."""
     sq, err = _sq_of_sum(pieces)
-    dtype = _piece_dtype(pieces[0])
+    dtype = _piece_tensor(pieces[0]).dtype
     loose = ~(err * 64 <= sq)
     if dtype != torch.float64 and bool(loose.any()):
         idx = loose.nonzero().squeeze(1)
-        sq64, err64 = _sq_of_sum([_piece_rows64(p, idx.to(_piece_device(p))) for p in pieces])
+        sq64, err64 = _sq_of_sum([_piece_rows64(p, idx.to(_piece_tensor(p).device)) for p in pieces])
         sq, err = sq.index_copy(0, idx, sq64), err.index_copy(0, idx, err64)
     return (sq + 2 * err).to(dtype)
 
