@@ -382,13 +382,7 @@ def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int
         return run
     tensors, meta, path = found
     run.load_state(tensors, meta)
-    _check_ledger(run, meta, path)
-    line = next((r for r in LedgerFile(out_dir).lines() if r["step"] == run.step), None)
-    if line and line.get("state") not in (None, ckpt.state_digest(tensors, meta)):
-        raise UserError(f"this checkpoint is not the one ledger.jsonl recorded at step {run.step} (its parameters or "
-                        f"state differ): a keyed run continued from it would replay the noise of other releases",
-                        file=str(path))
-    if line and line["entries"] == meta["ledger"]:  # recorded (a torn line is written again by finish)
+    if _check_ledger(run, tensors, meta, path):  # (a line torn by a kill is written again by finish)
         folder.saved = (run.step, meta["ledger"])  # so a finished run's finish() need not write it again
     if run.nonfinite_steps > recipe.train.max_nonfinite_steps:
         raise UserError(f"the run stopped at its non-finite limit ({run.nonfinite_steps} steps had non-finite losses "
@@ -404,9 +398,10 @@ def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int
     return run
 
 
-def _check_ledger(run, meta: dict[str, Any], path: Path) -> None:
+def _check_ledger(run, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> bool:
     """The checkpoint's ledger must be what the ledger file recorded at its step, cover every step
-    before it, and not be less than the ε the metrics logged; a secure run cannot go back."""
+    before it, and not be less than the ε the metrics logged; a secure run cannot go back; a keyed
+    run's checkpoint must be the one recorded. Whether the file records this step."""
     step, entries, out = run.step, run.accountant.ledger.to_json(), run.folder.path
     journal = LedgerFile(out)
     recorded, last = journal.at(step), journal.last
@@ -425,6 +420,11 @@ def _check_ledger(run, meta: dict[str, Any], path: Path) -> None:
             refuse(f"its ledger at step {step} does not continue ledger.jsonl (last recorded at step {last['step']})")
     if any(e["last_step"] >= step for e in entries):
         refuse(f"its ledger charges steps after its own step {step}")
+    line = next((r for r in journal.lines() if r["step"] == step), None)
+    if line and line.get("state") not in (None, ckpt.state_digest(tensors, meta)):
+        raise UserError(f"this checkpoint is not the one ledger.jsonl recorded at step {step} (its parameters or "
+                        f"state differ): a keyed run continued from it would replay the noise of other releases",
+                        file=str(path))
     if last is not None and last["step"] > step and not run.rng.replayable:
         raise UserError(f"ledger.jsonl records steps up to {last['step']}, but the newest valid checkpoint is at step "
                         f"{step}: with secure noise steps {step + 1}-{last['step']} cannot be replayed, and taking them "
@@ -442,3 +442,4 @@ def _check_ledger(run, meta: dict[str, Any], path: Path) -> None:
         eps = run.epsilon()
         if eps is not None and most > eps * (1 + 1e-9) + 1e-12:
             refuse(f"{name} logged ε = {most:.6g} at step {at}, more than its ledger gives ({eps:.6g})")
+    return recorded is not None
