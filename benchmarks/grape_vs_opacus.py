@@ -395,6 +395,11 @@ def report_memory(model: str, B: int, mem: dict, say) -> None:
         if "peak_mib" in mem.get(num, {}) and "peak_mib" in mem.get(den, {}):
             ratio = mem[num]["peak_mib"] / mem[den]["peak_mib"]
             say(f"  memory {num} ÷ {den}: {ratio:.3f}   target ≤ {target}: {verdict(ratio, target)}")
+    for num, den, what in [("adam", "opacus_ghost", "(non-private Adam's own: a ÷ Opacus ghost target below it "
+                                                    "needs recomputation)"),
+                           ("adam_ckpt", "opacus_ghost", "(checkpointed Adam's own)")]:
+        if "peak_mib" in mem.get(num, {}) and "peak_mib" in mem.get(den, {}):
+            say(f"  memory {num} ÷ {den}: {mem[num]['peak_mib'] / mem[den]['peak_mib']:.3f}   {what}")
 
 
 def largest_batch(method: str, model: str, budget: float, sweep: dict, steps: int, device: str,

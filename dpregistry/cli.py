@@ -64,7 +64,17 @@ app.add_typer(privacy_app, name="privacy")
 console = Console()
 err = Console(stderr=True)
 
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a recipe key: key.path=value")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE",
+                                                     help="override a recipe key (key.path=value), once per value")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="no progress bar or step lines")]
+Json = Annotated[bool, typer.Option("--json", metavar="", help="print JSON")]
+Recipe = Annotated[str, typer.Argument(metavar="RECIPE", help="recipe file, or the name of a shipped recipe")]
+
+
+def flag(name: str, help: str):
+    """A switch (no value, so --help shows no placeholder after it)."""
+    return typer.Option(name, metavar="", help=help)
+
 
 
 def say_error(msg: str) -> None:
@@ -162,12 +172,13 @@ def _even_if_stopped(call):
 
 
 @app.command()
-def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of a shipped recipe")],
-        out: Annotated[Optional[Path], typer.Option("--out", help="output folder")] = None,
+def run(recipe: Recipe,
+        out: Annotated[Optional[Path], typer.Option("--out", metavar="DIR", help="output folder")] = None,
         set_: SetOpt = None,
-        overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an earlier run in --out")] = False,
-        quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
-        nproc: Annotated[int, typer.Option("--nproc", help="data-parallel processes on this node (torchrun)")] = 1):
+        overwrite: Annotated[bool, flag("--overwrite", "replace an earlier run in --out")] = False,
+        quiet: Quiet = False,
+        nproc: Annotated[int, typer.Option("--nproc", metavar="N",
+                                           help="data-parallel processes on this node (torchrun)")] = 1):
     """Train privately with RECIPE; writes metrics.jsonl, summary.json and checkpoints/ under --out."""
     from .api import train
     from .folder import default_out
@@ -183,10 +194,10 @@ def run(recipe: Annotated[str, typer.Argument(help="recipe file, or the name of 
 
 
 @app.command()
-def resume(run_dir: Annotated[Path, typer.Argument(help="folder of an interrupted run")],
-           quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+def resume(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="folder of an interrupted run")],
+           quiet: Quiet = False,
            max_nonfinite_steps: Annotated[Optional[int], typer.Option(
-               "--max-nonfinite-steps", min=0, help="raise train.max_nonfinite_steps of a run stopped at it")] = None):
+               "--max-nonfinite-steps", min=0, metavar="N", help="raise train.max_nonfinite_steps of a run stopped at it")] = None):
     """Continue a run from its newest valid checkpoint (the privacy ledger continues too)."""
     from .api import resume
 
@@ -217,7 +228,7 @@ def _exit_if_stopped(run_, out: Path | None) -> None:
 
 
 @app.command()
-def report(run_dir: Annotated[Path, typer.Argument(help="folder of a run (finished or interrupted)")]):
+def report(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="folder of a run (finished or interrupted)")]):
     """Write RUN_DIR/report/: report.md and PNG plots (training loss, held-out metrics, ε spent)."""
     from .report import write_report
 
@@ -228,10 +239,10 @@ def report(run_dir: Annotated[Path, typer.Argument(help="folder of a run (finish
 
 
 @app.command()
-def export(run_dir: Annotated[Path, typer.Argument(help="folder of a finished run")],
-           to: Annotated[Path, typer.Option("--to", help="the folder to write (new or empty)")],
-           merge: Annotated[bool, typer.Option("--merge", help="LoRA: merge the adapters into the base weights")] = False,
-           overwrite: Annotated[bool, typer.Option("--overwrite", help="replace what --to holds")] = False):
+def export(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="folder of a finished run")],
+           to: Annotated[Path, typer.Option("--to", metavar="DIR", help="the folder to write (new or empty)")],
+           merge: Annotated[bool, flag("--merge", "LoRA: merge the adapters into the base weights")] = False,
+           overwrite: Annotated[bool, flag("--overwrite", "replace what --to holds")] = False):
     """Write the run's model as a Hugging Face folder (config, model.safetensors, tokenizer; LoRA as a
     peft adapter) with a model card (README.md) that states its privacy guarantee."""
     from .export import CARD, export_run_folder
@@ -242,7 +253,7 @@ def export(run_dir: Annotated[Path, typer.Argument(help="folder of a finished ru
 
 
 @app.command()
-def validate(recipe: str, set_: SetOpt = None):
+def validate(recipe: Recipe, set_: SetOpt = None):
     """Check a recipe (schema, stages, data and model paths, budget) without training."""
     from .run import Run
 
@@ -259,7 +270,7 @@ def validate(recipe: str, set_: SetOpt = None):
 
 
 @app.command()
-def show(recipe: str, set_: SetOpt = None):
+def show(recipe: Recipe, set_: SetOpt = None):
     """Print the fully resolved recipe (presets, extends and --set applied, defaults filled in)."""
     import yaml
 
@@ -269,7 +280,7 @@ def show(recipe: str, set_: SetOpt = None):
 
 
 @app.command()
-def plugins(as_json: Annotated[bool, typer.Option("--json")] = False):
+def plugins(as_json: Json = False):
     """List every registered stage by kind, with its plugin and description."""
     from .registry import get_registry
 
@@ -354,18 +365,19 @@ def _subsampled_plan(steps: int, q: float, relation: str):
     return plan
 
 
-Relation = Annotated[str, typer.Option("--relation", help="replace_one (the papers) or add_remove (Opacus)")]
+Relation = Annotated[str, typer.Option("--relation", metavar="NAME", help="replace_one (the papers) or add_remove (Opacus)")]
+Epsilon = Annotated[float, typer.Option("--epsilon", metavar="EPS", help="the ε to meet")]
+Delta = Annotated[float, typer.Option("--delta", metavar="DELTA", help="δ")]
+Steps = Annotated[int, typer.Option("--steps", metavar="N", help="steps")]
+SampleRate = Annotated[float, typer.Option("--sample-rate", metavar="Q", help="each example's chance to be in a batch")]
+Accountant = Annotated[str, typer.Option("--accountant", metavar="NAME",
+                                         help="a registered accountant: rdp, pld, ... (dpreg plugins)")]
 MAX_POINTS = 1000  # `privacy report --points`: each point is one accountant evaluation
 
 
 @privacy_app.command("calibrate")
-def privacy_calibrate(epsilon: Annotated[float, typer.Option("--epsilon")],
-                      delta: Annotated[float, typer.Option("--delta")],
-                      steps: Annotated[int, typer.Option("--steps")],
-                      sample_rate: Annotated[float, typer.Option("--sample-rate")],
-                      accountant: Annotated[str, typer.Option("--accountant")] = "rdp",
-                      relation: Relation = "replace_one",
-                      as_json: Annotated[bool, typer.Option("--json")] = False):
+def privacy_calibrate(epsilon: Epsilon, delta: Delta, steps: Steps, sample_rate: SampleRate,
+                      accountant: Accountant = "rdp", relation: Relation = "replace_one", as_json: Json = False):
     """The smallest noise multiplier (noise std ÷ clip) that meets (ε, δ) for Poisson-sampled steps."""
     with user_errors():
         _check_ranges(epsilon=epsilon, delta=delta, steps=steps, sample_rate=sample_rate, relation=relation)
@@ -385,13 +397,10 @@ def privacy_calibrate(epsilon: Annotated[float, typer.Option("--epsilon")],
 
 
 @privacy_app.command("epsilon")
-def privacy_epsilon(noise_multiplier: Annotated[float, typer.Option("--noise-multiplier")],
-                    steps: Annotated[int, typer.Option("--steps")],
-                    sample_rate: Annotated[float, typer.Option("--sample-rate")],
-                    delta: Annotated[float, typer.Option("--delta")],
-                    accountant: Annotated[str, typer.Option("--accountant")] = "rdp",
-                    relation: Relation = "replace_one",
-                    as_json: Annotated[bool, typer.Option("--json")] = False):
+def privacy_epsilon(noise_multiplier: Annotated[float, typer.Option("--noise-multiplier", metavar="Z",
+                                                                    help="noise std ÷ clip")],
+                    steps: Steps, sample_rate: SampleRate, delta: Delta,
+                    accountant: Accountant = "rdp", relation: Relation = "replace_one", as_json: Json = False):
     """ε spent by Poisson-sampled Gaussian steps at a noise multiplier."""
     with user_errors():
         _check_ranges(delta=delta, steps=steps, sample_rate=sample_rate, relation=relation)
@@ -422,9 +431,10 @@ def _check_ranges(epsilon=None, delta=None, steps=None, sample_rate=None, relati
 
 
 @privacy_app.command("report")
-def privacy_report(run_dir: Path,
-                   points: Annotated[int, typer.Option("--points", help="steps at which to recompute ε")] = 25,
-                   as_json: Annotated[bool, typer.Option("--json")] = False):
+def privacy_report(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="folder of a run")],
+                   points: Annotated[int, typer.Option("--points", metavar="N",
+                                                       help="steps at which to recompute ε")] = 25,
+                   as_json: Json = False):
     """The privacy ledger of a run: events, ε over steps, the accountant, and a PNG plot."""
     from .report import ledger_rows, privacy_report as build
 

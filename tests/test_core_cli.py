@@ -157,3 +157,23 @@ def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path):
     res = subprocess.run([str(Path(sys.executable).with_name("dpreg")), "validate", "nope.yaml"],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "recipe file not found" in res.stderr
+
+
+@pytest.mark.parametrize("command", [["run"], ["resume"], ["show"], ["validate"], ["report"], ["export"], ["plugins"],
+                                     ["privacy", "calibrate"], ["privacy", "epsilon"], ["privacy", "report"]])
+def test_help_names_each_value_and_explains_each_option(command):
+    """Every option's value has a placeholder that says what to type (KEY=VALUE, DIR, N), switches
+    show none, and every option has a sentence: no Python type names such as <list[str]>."""
+    import re
+
+    res = dpreg(*command, "--help")
+    assert res.returncode == 0, res.stderr
+    options = [line for line in res.stdout.splitlines() if re.match(r"│\s+\*?\s*--", line)]
+    assert options, res.stdout
+    for line in options:
+        if "--help" in line:
+            continue
+        assert "<" not in line, line  # typer's type names: <bool>, <int>, <list[str]>
+        assert re.search(r"--[\w-]+(\s+-\w)?\s+(\S+\s+)?\S.{3,}", line), f"an option without help: {line}"
+    if command == ["run"]:
+        assert "KEY=VALUE" in res.stdout and re.search(r"--out\s+DIR", res.stdout)
