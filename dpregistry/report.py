@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import checkpoint as ckpt
 from .errors import UserError
@@ -79,10 +79,11 @@ def _plot(path: Path, series: list[Series], title: str, limits: dict[str, float]
     _save(_figure(series, title, limits, last_step), path)
 
 
-def spent_curve(acc: Accountant, ledger: Ledger, points: int = 25) -> list[tuple[int, float]]:
-    """(steps completed, privacy spent) along a ledger, at up to ``points`` steps: ε at the
-    budget's δ, or ρ for a zCDP accountant without δ. The charges of step index s count once
-    s + 1 steps are complete (the convention of metrics.jsonl)."""
+def spent_curve(acc: Accountant, ledger: Ledger, points: int = 25,
+                spent: Callable[[Accountant], float] | None = None) -> list[tuple[int, float]]:
+    """(steps completed, privacy spent) along a ledger, at up to ``points`` steps: ``spent(acc)``
+    (by default ε at the budget's δ, or ρ for a zCDP accountant without δ). The charges of step
+    index s count once s + 1 steps are complete (the convention of metrics.jsonl)."""
     last = ledger.last_step
     if last is None:
         return []
@@ -97,7 +98,7 @@ def spent_curve(acc: Accountant, ledger: Ledger, points: int = 25) -> list[tuple
     try:
         for k in steps:
             acc.ledger = ledger.until(k - 1)
-            out.append((k, acc.rho() if use_rho else acc.epsilon()))
+            out.append((k, spent(acc) if spent else acc.rho() if use_rho else acc.epsilon()))
     finally:
         acc.ledger = full
     return out
@@ -121,12 +122,17 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
     acc = make_accountant(recipe["accountant"], example_budget(target, k))
     acc.ledger = Ledger.from_json(meta.get("ledger", []))
     spent = dict(acc.spent())
+
+    def in_unit(a: Accountant) -> float:  # ε at the recipe's δ in its unit, or ρ (k²ρ₀ for groups of k)
+        if a.budget.delta is None:
+            return a.rho() * k * k
+        return user_epsilon(a.epsilon, k, target.delta, a.budget.delta)
+
     if spent.get("epsilon") is not None:
-        spent["epsilon"] = user_epsilon(spent["epsilon"], k)
+        spent["epsilon"] = in_unit(acc)
     if spent.get("rho") is not None:
         spent["rho"], spent["target_rho"] = spent["rho"] * k * k, target.rho
-    scale = k if acc.budget.delta is not None else k * k
-    curve = [(s, v * scale) for s, v in spent_curve(acc, acc.ledger, points)]
+    curve = spent_curve(acc, acc.ledger, points, in_unit)
     label = "ρ spent" if acc.budget.delta is None else "ε spent"
     target = spent.get("target_rho") if acc.budget.delta is None else privacy.get("epsilon")
     plot_path = None

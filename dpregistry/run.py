@@ -86,6 +86,13 @@ class Run:
                 raise recipe.error("privacy.unit: user runs on one process for now", "privacy", "unit")
             if self.sampler.samples == "examples":
                 self.group = p.max_examples_per_user
+                if self.target.epsilon is None:  # δ₀ = δ/(k·e^{(k−1)ε/k}) needs ε (users.example_budget)
+                    raise recipe.error(
+                        f"privacy.unit: user with an example-level sampler reads the example-level ledger through "
+                        f"group privacy of size {self.group}, which needs the user-level target privacy.epsilon: "
+                        f"without it the example-level ε is unbounded and the group conversion gives no useful "
+                        f"ε. Set privacy.epsilon, or sample users (sampler: user_poisson) for a fixed noise "
+                        f"multiplier", "privacy", "epsilon")
             elif not self.estimator.user_level:
                 raise recipe.error(f"estimator {self.estimator.name!r} cannot clip a user's examples as one, so "
                                    f"user-level sampling does not apply; use an example-level sampler (contribution "
@@ -366,16 +373,17 @@ class Run:
         m.update(release.stats)
         return m
 
-    def epsilon(self) -> float | None:
-        """ε spent, in the recipe's unit (ELS: group privacy of the example-level ε, at the
-        user-level δ the budget set)."""
+    def epsilon(self, extra: list[Charge] | tuple = ()) -> float | None:
+        """ε spent (with ``extra`` charges), at the recipe's δ and in its unit (ELS: group privacy
+        of the example-level accountant, :func:`dpregistry.users.user_epsilon`)."""
         if self.budget.delta is None:
             return None
-        return user_epsilon(self.accountant.epsilon(), self.group)
+        return user_epsilon(lambda d: self.accountant.epsilon(d, extra=extra), self.group, self.target.delta,
+                            self.budget.delta)
 
     def planned_epsilon(self) -> float:
         """ε of the whole planned run (the ledger and the rest of the plan), in the recipe's unit."""
-        return user_epsilon(self.accountant.epsilon(extra=self.plan()), self.group)
+        return self.epsilon(extra=self.plan())
 
     def spent(self) -> dict[str, Any]:
         """What the ledger has spent, in the recipe's unit, with the budget it is held to."""
@@ -383,7 +391,7 @@ class Run:
         if self.group > 1:
             s["example_level"] = {"epsilon": s.get("epsilon"), "delta": s.get("delta"), "rho": s.get("rho")}
             if s.get("epsilon") is not None:
-                s["epsilon"], s["delta"] = user_epsilon(s["epsilon"], self.group), self.target.delta
+                s["epsilon"], s["delta"] = self.epsilon(), self.target.delta
             if s.get("rho") is not None:
                 s["rho"] = s["rho"] * self.group ** 2
                 s["target_rho"] = self.target.rho

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -95,9 +96,46 @@ def example_budget(user: Budget, k: int) -> Budget:
     return Budget(eps, delta, rho, user.relation)
 
 
-def user_epsilon(example_epsilon: float, k: int) -> float:
-    """The user-level ε of an example-level ε, for groups of k (at the user-level δ the budget set)."""
-    return k * example_epsilon
+_LOG_TINY = math.log(1e-300)
+
+
+def user_epsilon(epsilon_at: Callable[[float], float], k: int, delta: float, delta0: float | None = None) -> float:
+    """The user-level ε at the user-level δ of an example-level accountant, by group privacy of
+    size k: k·ε₀ with ε₀ = ``epsilon_at(δ₀)`` for an example-level δ₀ such that
+    k·e^{(k−1)ε₀}·δ₀ ≤ δ (:func:`user_delta`).
+
+    ``delta0`` (the budget's δ₀) is tried first: it holds whenever the ledger is within an ε
+    target. Otherwise (no ε target, a ρ target, an over-budget plan) the largest valid δ₀ is
+    searched for on a log scale; every candidate is checked, so the ε returned is valid whatever
+    the shape of ``epsilon_at``, and inf when no δ₀ is (reading ε₀ at δ/k and reporting k·ε₀ at
+    δ understated ε: its δ was e^{(k−1)ε₀}·δ)."""
+    if k == 1:
+        return epsilon_at(delta)
+
+    def valid(d0: float) -> float | None:  # user_delta(e0, d0, k) <= δ, in logarithms (no overflow)
+        e0 = epsilon_at(d0)
+        return e0 if math.log(k) + (k - 1) * e0 + math.log(d0) <= math.log(delta) else None
+
+    if delta0 is not None and (e0 := valid(delta0)) is not None:
+        return k * e0
+    top = math.log(delta / k)  # δ₀ = δ/k holds only if ε₀ = 0 there
+    if (e0 := valid(delta / k)) is not None:
+        return k * e0
+    hi, lo, best, step = top, None, None, 1.0
+    while best is None and top - step > _LOG_TINY:  # a valid δ₀ below: δ/k·e^{-1}, e^{-2}, e^{-4}, ...
+        if (best := valid(math.exp(top - step))) is None:
+            hi, step = top - step, 2 * step
+        else:
+            lo = top - step
+    if best is None:
+        return math.inf
+    while hi - lo > 1e-3:  # the largest valid δ₀, to 0.1 % (ε₀ moves far less)
+        mid = (lo + hi) / 2
+        if (e0 := valid(math.exp(mid))) is not None:
+            lo, best = mid, e0
+        else:
+            hi = mid
+    return k * best
 
 
 def user_delta(example_epsilon: float, example_delta: float, k: int) -> float:

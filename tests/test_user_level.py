@@ -210,9 +210,49 @@ def test_the_group_privacy_conversion_is_valid_against_the_exact_gaussian():
             assert user_delta(b.epsilon, b.delta, k) == pytest.approx(DELTA)
             ex = pld.epsilon(b.delta, extra=[Charge(Gaussian(std=std, sensitivity=2.0))])
             exact = pld.epsilon(DELTA, extra=[Charge(Gaussian(std=std, sensitivity=2.0 * k))])
-            assert user_epsilon(ex, k) >= exact * (1 - 1e-6)
+            at = lambda d: pld.epsilon(d, extra=[Charge(Gaussian(std=std, sensitivity=2.0))])  # noqa: E731
+            assert user_epsilon(at, k, DELTA, b.delta) == k * ex >= exact * (1 - 1e-6)
     rho = example_budget(Budget(rho=0.5), 4).rho
     assert rho == 0.5 / 16  # ρ-zCDP is k²ρ-zCDP for groups of k
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_the_group_conversion_without_a_valid_budget_delta_searches_and_stays_valid(k):
+    """Where the budget's δ₀ does not hold (no ε target, an over-budget plan), user_epsilon
+    searches for a δ₀ with k·e^{(k−1)ε₀}·δ₀ ≤ δ. Against the mechanism's exact user-level ε
+    (T full-batch Gaussian steps: a user's k rows move the sum by k·C; dp_accounting's PLD, add/remove)
+    it is never smaller. Reading ε₀ at δ/k and reporting k·ε₀ at δ, as ELS did without an ε
+    target, was below it: its δ was e^{(k−1)ε₀}·δ."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    z, steps = 2.0, 10
+
+    def composed(accountant, noise_multiplier):
+        acc = accountant()
+        acc.compose(dp_accounting.GaussianDpEvent(noise_multiplier), steps)
+        return acc
+
+    example = composed(rdp_privacy_accountant.RdpAccountant, z)
+    exact = composed(pld_privacy_accountant.PLDAccountant, z / k).get_epsilon(DELTA)
+    eps = user_epsilon(example.get_epsilon, k, DELTA)
+    assert exact <= eps < math.inf
+    assert k * example.get_epsilon(DELTA / k) < exact  # the old reading
+    # a budget δ₀ that does not hold is not used
+    assert user_epsilon(example.get_epsilon, k, DELTA, DELTA / k) == eps
+
+
+@pytest.mark.parametrize("privacy", [{"delta": 1e-3}, {"rho": 2.0, "delta": 1e-3}])
+def test_els_without_an_epsilon_target_is_refused(privacy):
+    """ELS places δ₀ from the user-level ε target; without one ε₀ is unbounded, and group privacy of
+    an ε₀ of 8 at k = 4 needs δ₀ below e^{-24}·δ: refused before the run, with the way out."""
+    with pytest.raises(UserError, match="privacy.epsilon") as e:
+        _own_run({"algorithm": "dp_sgd", "sampler": {"name": "poisson", "batch_size": 30},
+                  "privatizer": {"noise_multiplier": 2.0},
+                  "privacy": {**privacy, "unit": "user", "max_examples_per_user": 4}, "train": {"steps": 4}},
+                 torch.arange(240) // 12)
+    assert "user_poisson" in str(e.value)
 
 
 def _own_run(recipe, users, n=240, dim=4, seed=0):
