@@ -273,6 +273,10 @@ class Run:
             self._section = SECTION_OF[kind]
             stage.validate(self.ctx)
         self._section = None
+        if self.budget.rho is not None and not self.accountant.budgets_rho:
+            raise self.recipe.error(f"privacy.rho is a zCDP budget, which the {self.accountant.name} accountant "
+                                    f"cannot enforce; use accountant zcdp, or give the budget as privacy.epsilon "
+                                    f"and privacy.delta", "privacy", "rho")
         self._calibrate_and_check()
 
     def _bind_users(self) -> None:

@@ -67,7 +67,7 @@ def test_an_epsilon_without_delta_is_refused_not_ignored(tmp_path):
     assert e.value.key.startswith("privacy")
 
 
-@pytest.mark.parametrize("accountant", ["rdp", "rdp_filter", "pld"])
+@pytest.mark.parametrize("accountant", ["rdp", "rdp_filter", "pld", "kov_advanced_composition"])
 def test_a_rho_budget_is_refused_by_accountants_that_cannot_enforce_it(accountant, tmp_path):
     """privacy.rho is a zCDP budget. The (ε, δ)/RDP accountants ignored it: 50 steps of
     z = 0.8 (ρ = (2C/σ)²/2 per unamplified step, 50 · 3.125 = 156 in total) ran under rho: 1e-4."""
@@ -79,6 +79,49 @@ def test_a_rho_budget_is_refused_by_accountants_that_cannot_enforce_it(accountan
     # the zcdp accountant enforces ρ: the same recipe is refused for overspending it
     with pytest.raises(UserError, match="ρ = 156.25, more than the budget ρ = 0.0001"):
         make_run(dict(recipe, accountant="zcdp"), tmp_path)
+
+
+def test_an_accountant_that_does_not_declare_a_rho_budget_has_it_refused(tmp_path):
+    """The refusal is the run's, not each accountant's: kov_advanced_composition (dpgd_0th's default)
+    had no refusal of its own and ran a review's recipe to 45 × its privacy.rho. A third-party
+    accountant is held to the same rule unless it says it budgets ρ (``budgets_rho``)."""
+    from dpregistry import StagePlugin
+    from dpregistry.privacy.accountant import Accountant
+    from dpregistry.registry import get_registry
+
+    rdp = get_registry().get("accountant", "rdp").cls
+
+    class Mine(Accountant):
+        name = "mine_eps_delta"
+        supports, _epsilon, _delta = rdp.supports, rdp._epsilon, rdp._delta
+
+    get_registry().add_plugin(StagePlugin(Mine), origin="tests")
+    recipe = dp_sgd(privatizer={"clip": 1.0, "noise_multiplier": 0.8}, accountant="mine_eps_delta",
+                    privacy={"epsilon": 50.0, "delta": 1e-3, "rho": 1e-4}, train={"steps": 50, "progress": False})
+    with pytest.raises(UserError, match="mine_eps_delta accountant cannot enforce"):
+        make_run(recipe, tmp_path)
+
+
+def test_zcdp_fail_holds_one_budget(tmp_path):
+    """zcdp_fail checked ε and δ and skipped privacy.rho when both were given (a review's KLT recipe
+    spent 68 × its ρ): both together are refused; ρ alone is held (no failure probability)."""
+    both = {"epsilon": 50.0, "delta": 1e-3, "rho": 1e-4}
+    with pytest.raises(UserError, match="holds one budget"):
+        make_run(dp_sgd(accountant="zcdp_fail", privatizer={"clip": 1.0, "noise_multiplier": 0.8}, privacy=both,
+                        train={"steps": 50, "progress": False}), tmp_path)
+    with pytest.raises(UserError, match="more than the budget"):
+        make_run(dp_sgd(accountant="zcdp_fail", privatizer={"clip": 1.0, "noise_multiplier": 0.8},
+                        sampler={"name": "full_batch"}, privacy={"rho": 1e-4}, train={"steps": 50, "progress": False}),
+                 tmp_path)
+
+
+def test_a_privatizer_whose_noise_the_algorithm_sets_is_refused_with_one_that_sets_none(tmp_path):
+    """KL's scheduled and SPIDER privatizers take σ from their algorithm at each release; with an
+    algorithm that sets none the run stopped in planning with a TypeError."""
+    recipe = dp_sgd(privatizer={"name": "scheduled_gaussian", "clip": 1.0}, train={"steps": 5, "progress": False})
+    with pytest.raises(UserError, match="takes its noise from the algorithm at each release") as e:
+        make_run(recipe, tmp_path)
+    assert e.value.key.startswith("privatizer")
 
 
 # -- shuffled batches: parallel composition inside an epoch --------------------------------------

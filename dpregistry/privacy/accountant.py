@@ -118,6 +118,9 @@ class Accountant(Stage):
     can_filter: ClassVar[bool] = False
     #: event types it can compose
     supports: ClassVar[frozenset[str]] = frozenset()
+    #: enforces a zCDP budget (privacy.rho); a run refuses privacy.rho with one that does not,
+    #: rather than let it be ignored
+    budgets_rho: ClassVar[bool] = False
     needs = (Budget,)
 
     class Params(StageParams):

@@ -89,13 +89,6 @@ def _partition_sum(groups, value) -> dict:
     return out
 
 
-def refuse_rho_budget(acc: Accountant) -> None:
-    """privacy.rho is a zCDP budget: an accountant that budgets (ε, δ) would silently ignore it."""
-    if acc.budget.rho is not None:
-        raise UserError(f"privacy.rho is a zCDP budget, which the {acc.name} accountant cannot enforce; use "
-                        f"accountant zcdp, or give the budget as privacy.epsilon and privacy.delta", key="privacy.rho")
-
-
 # ------------------------------------------------------------------------------------------
 # RDP
 # ------------------------------------------------------------------------------------------
@@ -161,9 +154,6 @@ class RdpAccountant(Accountant):
     supports = frozenset({"gaussian", "poisson_sampled", "sampled_without_replacement", "composed",
                           "self_composed", "zcdp", "tree_aggregation", "exponential", "non_private"})
     Params = RdpParams
-
-    def validate(self, ctx):
-        refuse_rho_budget(self)
 
     @property
     def orders(self) -> tuple:
@@ -492,9 +482,6 @@ class PldAccountant(Accountant):
     Params = PldParams
     _refused_size: PldTooLarge | None = None  # the last array too large for a calibration step
 
-    def validate(self, ctx):
-        refuse_rho_budget(self)
-
     def _fits(self, groups):
         try:
             return super()._fits(groups)
@@ -665,6 +652,7 @@ class ZcdpAccountant(Accountant):
 
     name = "zcdp"
     notion = "zcdp"
+    budgets_rho = True
     can_filter = True
     supports = RdpAccountant.supports
     Params = ZcdpParams

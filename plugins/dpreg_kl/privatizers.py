@@ -57,6 +57,10 @@ class ScheduledGaussian(Privatizer):
         return Gaussian(std=std, sensitivity=self.sensitivity(clip))
 
     def planned_events(self, noise_multiplier, ctx):
+        if noise_multiplier is None:  # a generic algorithm's plan: it would release without a std
+            raise UserError(f"privatizer {self.name} takes its noise from the algorithm at each release (the KL "
+                            f"algorithms' schedules), and this algorithm sets none: use it with a KL algorithm, "
+                            f"or privatizer gaussian", key="privatizer.name")
         return [self.event(noise_multiplier * self.clip)]
 
     def clip_sum(self, contribution):

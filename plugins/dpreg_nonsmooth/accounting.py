@@ -83,6 +83,14 @@ class ZcdpFailAccountant(Accountant):
     supports = frozenset({"gaussian", "tree_aggregation", "zcdp", "composed", "self_composed", "non_private",
                           "concentration_failure"})
     Params = ZcdpFailParams
+    budgets_rho = True  # alone: a pure zCDP budget (no failure probability)
+
+    def validate(self, ctx):
+        b = self.budget
+        if b.rho is not None and b.epsilon is not None:  # _fits holds one budget; the other would be ignored
+            raise UserError("the zcdp_fail accountant holds one budget: privacy.epsilon and privacy.delta, or "
+                            "privacy.rho alone (a zCDP budget without failure probability); not both",
+                            key="privacy.rho")
 
     @staticmethod
     def _totals(groups, exact: bool = False) -> list[tuple[float, float]]:
@@ -125,6 +133,16 @@ class ZcdpFailAccountant(Accountant):
 
     def rho(self) -> float:
         return max(r for r, _ in self._totals(self.ledger.grouped()))
+
+    def overspend(self, extra=()) -> str:
+        b = self.budget
+        if b.epsilon is not None:
+            return super().overspend(extra)
+        totals = self._totals(self.ledger.grouped(list(extra)))
+        rho, gamma = max(r for r, _ in totals), max(g for _, g in totals)
+        if rho > b.rho:
+            return f"ρ = {rho:.6g}, more than the budget ρ = {b.rho:g}"
+        return f"a failure probability δ_fail = {gamma:.3g}, which a zCDP budget (privacy.rho alone) does not allow"
 
     def delta_fail(self) -> float:
         return max(g for _, g in self._totals(self.ledger.grouped()))
