@@ -626,3 +626,49 @@ def test_a_user_level_text_run_without_users_is_told_to_set_data_user(tmp_path):
     run = make_run(user_recipe(tmp_path, {"name": "user_poisson", "users_per_step": 3}, test="bare.tsv",
                                train="bare.tsv", header=False, text=0, label=1, rows_per_user=5), tmp_path)
     assert run.users.n_users == 8 and run.objective.provide(UserIds).ids.tolist() == [r // 5 for r in range(40)]
+
+
+def test_the_label_set_comes_from_public_sources_never_from_the_training_rows(tmp_path):
+    """Without data.labels or a ClassLabel the classes were the training rows' labels: one private row
+    labelled "HIV-positive: J. Doe" widened the head to three classes and its text reached the model's
+    id2label and an export's config (a review). The held-out split's labels now set the classes,
+    and a training label outside them is refused in words; declared labels are as before."""
+    from dpregistry.data.text import TextData
+    from dpregistry.errors import UserError
+
+    rows = "".join(f"a {w} film\t{y}\n" for w, y in [("fine", "pos"), ("dull", "neg")] * 4)
+    (tmp_path / "test.tsv").write_text("sentence\tlabel\n" + rows)
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + rows)
+    train, test = TextData(path=str(tmp_path)).load()
+    assert train.label_names == test.label_names == ["neg", "pos"]
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + rows + "a private note\tHIV-positive: J. Doe\n")
+    with pytest.raises(UserError, match="not among the held-out split's labels.*list every class in data.labels"):
+        TextData(path=str(tmp_path)).load()
+    with pytest.raises(UserError, match="not one of the declared labels"):
+        TextData(path=str(tmp_path), labels=["neg", "pos"]).load()
+    declared = ["neg", "pos", "HIV-positive: J. Doe"]
+    assert TextData(path=str(tmp_path), labels=declared).load()[0].label_names == declared
+
+
+def test_image_classes_come_from_the_held_out_split(tmp_path):
+    """The image objective sized its head by the largest label of either split, so one private
+    training label of 9 among 0..2 gave a 10-class head: the held-out split sets it now."""
+    from transformers import ViTConfig
+
+    from dpregistry.errors import UserError
+
+    ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=32,
+              patch_size=8, architectures=["ViTForImageClassification"]).to_json_file(tmp_path / "vit.json")
+    g = np.random.default_rng(0)
+    x = g.integers(0, 255, (12, 32, 32, 3), dtype=np.uint8)
+    np.savez(tmp_path / "test.npz", x=x, y=np.arange(12) % 3)
+    np.savez(tmp_path / "train.npz", x=x, y=np.arange(12) % 3)
+    recipe = {"algorithm": "dp_adam", "objective": {"name": "image_classification",
+              "model": {"config": str(tmp_path / "vit.json")}, "data": {"path": str(tmp_path), "format": "npz"}},
+              "sampler": {"name": "poisson", "batch_size": 4}, "privacy": {"epsilon": 8.0, "delta": 1e-3},
+              "train": {"steps": 1}}
+    run = make_run(recipe, tmp_path)
+    assert run.objective.model.config.num_labels == 3
+    np.savez(tmp_path / "train.npz", x=x, y=np.r_[np.arange(11) % 3, 9])
+    with pytest.raises(UserError, match=r"outside the held-out split's classes 0\.\.2"):
+        make_run(recipe, tmp_path)

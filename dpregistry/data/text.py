@@ -351,12 +351,15 @@ def _label_values(rows, col: str, source: Source):
 
 def make_table(rows, *, text_columns: list[str | int], label_column: str | int, labels: list[str] | None,
                source: Source, paired_with: str | None = None, label_names: list[str] | None = None,
-               user_column: Column | None = None, rows_per_user: int | None = None) -> TextTable:
+               user_column: Column | None = None, rows_per_user: int | None = None,
+               declared: bool = True) -> TextTable:
     """A :class:`TextTable` of ``rows`` (a ``datasets.Dataset``).
 
     The label order is ``label_names`` (another split's), else ``labels`` (the recipe's), else the
     data set's ClassLabel names, else the sorted labels found, unless ``paired_with`` (the key of
     descriptions or label words that pair with the labels by position): then guessing is refused.
+    ``declared``: whether ``label_names`` were declared (the recipe's or a ClassLabel's) rather
+    than found in the held-out split, for the message when a row's label is not among them.
 
     Users (``privacy.unit: user``): the ``user_column``'s values numbered in order of first
     appearance, or the public rule user = row // ``rows_per_user`` (rows of ``rows``, in order)."""
@@ -396,6 +399,10 @@ def make_table(rows, *, text_columns: list[str | int], label_column: str | int, 
         if value is None:
             raise source.error("the row has no label (a ClassLabel of -1: an unlabelled split; choose a labelled "
                                "one)", first)
+        if not declared and class_names is None:
+            raise source.error(f"label {value!r} is not among the held-out split's labels {label_names}, which "
+                               f"set the classes when data.labels does not (the training labels are private); "
+                               f"list every class in data.labels", first)
         raise source.error(f"label {value!r} is not one of the declared labels {label_names}", first)
     y = np.asarray(y.to_numpy(zero_copy_only=False), dtype=np.int64)
     users = _user_ids(rows, user, source) if user is not None else \
@@ -606,11 +613,14 @@ class TextData(BaseModel):
         else:
             (train_rows, train_src), (test_rows, test_src) = self._file("train"), self._file("test")
         cols = self.columns_of_text
-        train = make_table(train_rows, text_columns=cols, label_column=self.label, labels=labels, source=train_src,
-                           paired_with=pairs[0] if pairs is not None else None, user_column=self.user,
-                           rows_per_user=self.rows_per_user)
+        # The label set is public: the recipe's, the data set's ClassLabel, or the held-out split's
+        # labels; never read off the private training rows (a label only one training row holds
+        # would widen the head, and the model and an export's config would show it).
         test = make_table(test_rows, text_columns=cols, label_column=self.label, labels=labels, source=test_src,
-                          label_names=train.label_names)
+                          paired_with=pairs[0] if pairs is not None else None)
+        train = make_table(train_rows, text_columns=cols, label_column=self.label, labels=labels, source=train_src,
+                           label_names=test.label_names, user_column=self.user, rows_per_user=self.rows_per_user,
+                           declared=labels is not None)
         if pairs is not None:
             _pair(train.label_names, *pairs)
         if self.k_per_class:
