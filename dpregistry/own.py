@@ -69,6 +69,22 @@ def _indexable(data: Any, what: str) -> Any:
     return data
 
 
+def _shares_rows(train: Any, held_out: Any) -> bool:
+    """Whether the held-out data visibly holds training rows: the same object, TensorDatasets of
+    the same tensors, or Subsets (``random_split``) of one data set whose indices meet. Rows
+    copied into another object are not detected."""
+    from torch.utils.data import Subset, TensorDataset
+
+    if train is held_out:
+        return True
+    if isinstance(train, TensorDataset) and isinstance(held_out, TensorDataset):
+        return any(a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                   for a, b in zip(train.tensors, held_out.tensors))
+    if isinstance(train, Subset) and isinstance(held_out, Subset) and train.dataset is held_out.dataset:
+        return not set(map(int, train.indices)).isdisjoint(map(int, held_out.indices))
+    return False
+
+
 class OwnObjective(TorchObjective):
     """Your own model, per-example loss and data, given to dpregistry.train (no plugin needed)."""
 
@@ -98,6 +114,10 @@ class OwnObjective(TorchObjective):
         self.own = o
         self.train_data = _indexable(o.train_data, "train_data")
         self.eval_data = _indexable(o.eval_data, "eval_data")
+        if self.eval_data is not None and _shares_rows(self.train_data, self.eval_data):
+            raise UserError("eval_data holds training examples: held-out metrics computed on them measure the "
+                            "training examples themselves, which the guarantee does not cover; pass data the model "
+                            "does not train on", key="eval_data")
         self.n_train = len(self.train_data)
         self.collate = default_collate
         self.model = o.model.to(ctx.device)

@@ -176,6 +176,27 @@ def test_bad_own_objects_are_one_line_errors(bad, says):
     assert "\n" not in str(e.value)
 
 
+def test_held_out_data_that_holds_training_examples_is_refused():
+    """The held-out metrics are covered by the guarantee only when they are computed on other data:
+    with eval_data=train_data a threshold on the held-out loss told a canary's presence 16 times
+    in 16 at ε = 1 (a review). The same object, TensorDatasets of the same tensors and
+    random_split Subsets whose indices meet are refused before any step; disjoint ones train."""
+    x, y = digits()
+    model, _, _ = own()
+    full = torch.utils.data.TensorDataset(x[:800], y[:800])
+    first, rest = torch.utils.data.random_split(full, [600, 200], generator=torch.Generator().manual_seed(0))
+    overlapping = torch.utils.data.Subset(full, [int(first.indices[0]), *map(int, rest.indices)])
+    for train, held_out in [(full, full), (full, torch.utils.data.TensorDataset(*full.tensors)),
+                            (first, overlapping)]:
+        with pytest.raises(UserError, match="eval_data holds training examples") as e:
+            dpregistry.train(RECIPE, model=model, loss=per_example, train_data=train, eval_data=held_out,
+                             verbose=False)
+        assert e.value.key.endswith("eval_data")
+    r = dpregistry.train(dict(RECIPE, train={"steps": 2}), model=model, loss=per_example, train_data=first,
+                         eval_data=rest, verbose=False)
+    assert r.summary["step"] == 2 and "accuracy" in r.metrics
+
+
 def test_a_model_with_a_weight_used_outside_its_layer_is_refused_before_step_1():
     class Reuse(torch.nn.Module):
         def __init__(self):

@@ -23,6 +23,14 @@ HUB_ID = "stanfordnlp/sst2"
 NO_LABEL = -1  # what GLUE's test split holds instead of a label
 
 
+def held_out(folder: Path, name: str) -> str:
+    """A copy of the file ``name`` to name as data.test (a run refuses its training file there)."""
+    import shutil
+
+    (shutil.copytree if (folder / name).is_dir() else shutil.copy)(folder / name, folder / f"held_out_{name}")
+    return f"held_out_{name}"
+
+
 def sst2_rows(name: str) -> list[tuple[str, str]]:
     """(sentence, label) rows of the shipped subset, read with the csv module alone."""
     with open(SST2_SUBSET / name, encoding="utf-8", newline="") as f:
@@ -235,7 +243,7 @@ def test_every_format_and_header_layout_reads_the_same_examples(tmp_path):
     assert any('"' in s or "," in s for s, _ in rows)  # the CSV really quotes
     want = TextData(path=str(SST2_SUBSET), labels=["0", "1"], k_per_class=16, seed=5).load()[0]
     for name, keys in layouts.items():
-        keys = {"path": str(tmp_path), "test": keys["train"], "labels": ["0", "1"], **keys}
+        keys = {"path": str(tmp_path), "test": held_out(tmp_path, keys["train"]), "labels": ["0", "1"], **keys}
         train, test = TextData(**keys).load()
         assert table_rows(train) == [((s,), y) for s, y in rows], name
         shot = TextData(**keys, k_per_class=16, seed=5).load()[0]
@@ -249,11 +257,11 @@ def test_a_first_line_that_looks_like_data_gets_the_hint(tmp_path):
     write_formats(tmp_path, sst2_rows("train.tsv")[:40])
     for keys in ({}, {"text": 0, "label": 1}):
         with pytest.raises(UserError, match=r"bare\.tsv:1: .*the first line looks like data; set data.header: false"):
-            TextData(path=str(tmp_path), train="bare.tsv", test="bare.tsv", **keys).load()
+            TextData(path=str(tmp_path), train="bare.tsv", test=held_out(tmp_path, "bare.tsv"), **keys).load()
     # a real header whose names are not the recipe's is not taken for data
     (tmp_path / "named.tsv").write_text("review\tstars\ngood\t1\nbad\t0\n")
     with pytest.raises(UserError, match=r"named\.tsv:1: column 'sentence' is missing \(columns: review, stars\)$"):
-        TextData(path=str(tmp_path), train="named.tsv", test="named.tsv").load()
+        TextData(path=str(tmp_path), train="named.tsv", test=held_out(tmp_path, "named.tsv")).load()
 
 
 @pytest.mark.parametrize("name,content,where,says", [
@@ -289,9 +297,9 @@ def test_parquet_rows_are_named_by_number(tmp_path):
     pq.write_table(pa.table({"sentence": ["a", "b", "c"], "label": ["0", None, "1"]}), tmp_path / "n.parquet")
     pq.write_table(pa.table({"sentence": ["a", "b", "c"], "label": ["0", "1", "2"]}), tmp_path / "x.parquet")
     with pytest.raises(UserError, match=r"n\.parquet: row 2: no value in column 'label'"):
-        TextData(path=str(tmp_path), train="n.parquet", test="n.parquet").load()
+        TextData(path=str(tmp_path), train="n.parquet", test=held_out(tmp_path, "n.parquet")).load()
     with pytest.raises(UserError, match=r"x\.parquet: row 3: label '2' is not one of the declared labels"):
-        TextData(path=str(tmp_path), train="x.parquet", test="x.parquet", labels=["0", "1"]).load()
+        TextData(path=str(tmp_path), train="x.parquet", test=held_out(tmp_path, "x.parquet"), labels=["0", "1"]).load()
 
 
 def test_a_rewritten_file_is_read_again_even_with_the_same_size_and_mtime(tmp_path):
@@ -302,7 +310,7 @@ def test_a_rewritten_file_is_read_again_even_with_the_same_size_and_mtime(tmp_pa
     f = tmp_path / "t.tsv"
     f.write_text("sentence\tlabel\nfirst\t0\nsecond\t1\n")
     st = os.stat(f)
-    d = TextData(train=str(f), test=str(f))
+    d = TextData(train=str(f), test=str(tmp_path / held_out(tmp_path, "t.tsv")))
     assert d.load()[0].fields([0]) == [("first",)]
     f.write_text("sentence\tlabel\nfiRST\t1\nsecond\t0\n")
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
@@ -530,7 +538,8 @@ def test_a_user_column_of_any_format_numbers_users_in_order_of_first_appearance(
     want = first_appearance([speaker_of(i) for i in range(len(rows))])
     assert sorted(set(want)) == list(range(7)) and want[:3] == [0, 1, 2]
     for name, keys in write_user_formats(tmp_path, rows).items():
-        keys = {"path": str(tmp_path), "test": keys["train"], "labels": ["0", "1"], "user": "speaker", **keys}
+        keys = {"path": str(tmp_path), "test": held_out(tmp_path, keys["train"]), "labels": ["0", "1"], "user": "speaker",
+                **keys}
         train, test = TextData(**keys).load()
         assert train.users.dtype == np.int64 and train.users.tolist() == want, name
         assert test.users is None  # users are the training data's
@@ -548,10 +557,11 @@ def test_rows_per_user_is_a_public_rule_of_the_row_before_the_k_shot_draw(tmp_pa
     rng = random.Random(0)
     (tmp_path / "b.tsv").write_text("sentence\tlabel\n" + "".join(f"other {i}\t{rng.choice('01')}\n"
                                                                    for i in range(100)))
-    tables = [TextData(path=str(tmp_path), train=f, test=f, labels=["0", "1"], rows_per_user=7).load()[0]
+    tables = [TextData(path=str(tmp_path), train=f, test=held_out(tmp_path, f), labels=["0", "1"],
+                       rows_per_user=7).load()[0]
               for f in ("a.tsv", "b.tsv")]
     assert tables[0].users.tolist() == tables[1].users.tolist() == [r // 7 for r in range(100)]
-    shot = TextData(path=str(tmp_path), train="a.tsv", test="a.tsv", labels=["0", "1"], rows_per_user=7,
+    shot = TextData(path=str(tmp_path), train="a.tsv", test=held_out(tmp_path, "a.tsv"), labels=["0", "1"], rows_per_user=7,
                     k_per_class=9, seed=4).load()[0]
     assert shot.users.tolist() == [r // 7 for r in shot.index.tolist()]
     assert shot.users.tolist() != sorted(shot.users.tolist())  # the draw's order, not the file's
@@ -567,7 +577,7 @@ def test_a_hub_data_set_gives_users_from_its_column(hub_cache):
 def user_recipe(folder: Path, sampler: dict, **data) -> dict:
     return {"seed": 0, "algorithm": "dp_adam",
             "objective": {"name": "hf_text_classification", "model": {"path": "minilm", "max_length": 16},
-                          "data": {"path": str(folder), "train": "u.tsv", "test": "u.tsv", "labels": ["0", "1"],
+                          "data": {"path": str(folder), "train": "u.tsv", "test": held_out(folder, "u.tsv"), "labels": ["0", "1"],
                                    **data}},
             "sampler": sampler, "privatizer": {"clip": 1.0, "noise_multiplier": "auto"}, "update": {"lr": 1e-3},
             "privacy": {"epsilon": 6.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 4,
@@ -623,7 +633,7 @@ def test_a_user_level_text_run_without_users_is_told_to_set_data_user(tmp_path):
     with pytest.raises(UserError, match=r"u\.tsv:3: no user in column 'speaker'"):
         make_run(user_recipe(tmp_path, {"name": "poisson", "batch_size": 8}, user="speaker"), tmp_path)
     # rows_per_user: synthetic users, 40 rows // 5 = 8 users
-    run = make_run(user_recipe(tmp_path, {"name": "user_poisson", "users_per_step": 3}, test="bare.tsv",
+    run = make_run(user_recipe(tmp_path, {"name": "user_poisson", "users_per_step": 3}, test=held_out(tmp_path, "bare.tsv"),
                                train="bare.tsv", header=False, text=0, label=1, rows_per_user=5), tmp_path)
     assert run.users.n_users == 8 and run.objective.provide(UserIds).ids.tolist() == [r // 5 for r in range(40)]
 
@@ -672,3 +682,18 @@ def test_image_classes_come_from_the_held_out_split(tmp_path):
     np.savez(tmp_path / "train.npz", x=x, y=np.r_[np.arange(11) % 3, 9])
     with pytest.raises(UserError, match=r"outside the held-out split's classes 0\.\.2"):
         make_run(recipe, tmp_path)
+
+
+def test_the_training_file_or_split_is_refused_as_held_out_data(tmp_path):
+    """Held-out metrics on the training rows measure those rows (a review told a canary apart 16
+    times in 16 at ε = 1): data.test naming the training file (by any path) or split is refused."""
+    from dpregistry.data import TextData
+    from dpregistry.errors import UserError
+
+    (tmp_path / "a.tsv").write_text("sentence\tlabel\ngood\t1\nbad\t0\n")
+    (tmp_path / "sub").mkdir()
+    for test in ("a.tsv", str(tmp_path / "a.tsv"), "sub/../a.tsv"):
+        with pytest.raises(UserError, match="data.test is the training data") as e:
+            TextData(path=str(tmp_path), train="a.tsv", test=test).load()
+        assert e.value.key == "data.test"
+    assert len(TextData(path=str(tmp_path), train="a.tsv", test=held_out(tmp_path, "a.tsv")).load()[1]) == 2

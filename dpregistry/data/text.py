@@ -612,6 +612,11 @@ class TextData(BaseModel):
                                                               self._split(*splits, "test"))
         else:
             (train_rows, train_src), (test_rows, test_src) = self._file("train"), self._file("test")
+        if str(train_src) == str(test_src) or (train_src.path is not None and test_src.path is not None
+                                               and train_src.path.resolve() == test_src.path.resolve()):
+            raise UserError(f"data.test is the training data ({train_src}): held-out metrics computed on it measure "
+                            f"the training examples themselves, which the guarantee does not cover; name a held-out "
+                            f"file or split", key="data.test")
         cols = self.columns_of_text
         # The label set is public: the recipe's, the data set's ClassLabel, or the held-out split's
         # labels; never read off the private training rows (a label only one training row holds
