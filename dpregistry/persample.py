@@ -757,28 +757,57 @@ def check_forward_is_pure(model: nn.Module) -> None:
                             "LayerNorm")
 
 
+def probe_indices(n_train: int, m: int = 8) -> torch.Tensor:
+    """Up to ``m`` training examples spread over the data set, the first and the last included, for
+    the independence probes: neighbouring rows are often alike (a sorted or duplicated file), and
+    a mix over copies of one row does not show."""
+    m = min(m, n_train)
+    return torch.tensor(sorted({round(i * (n_train - 1) / (m - 1)) for i in range(m)}) if m > 1 else [0])
+
+
+def _mixing(what: str, index: int, value: str) -> UserError:
+    return UserError(f"{what}: training example {index}'s {value} in a batch of others and alone differ; the forward "
+                     "mixes the examples of a batch (batch statistics, a sum or mean over dimension 0, attention "
+                     "across the batch), so clipping one example's contribution would not bound its influence; or "
+                     "the loss is random (augmentation drawn inside it: draw it in the data instead, so a forward "
+                     "is a function of the weights and the example)")
+
+
 def check_examples_independent(losses_of: Callable[[torch.Tensor], torch.Tensor], n_train: int,
-                               device: torch.device, together: torch.Tensor | None = None,
-                               what: str = "per-example losses") -> None:
-    """Refuse a forward in which example 0's loss depends on example 1: one record would move every
-    other example's loss, and so its gradient or finite difference, past any per-example clipping.
-    ``together``: the losses of examples 0 and 1 in one batch, if already computed. The random
-    state is restored (the run's dropout masks stay as they were)."""
+                               device: torch.device, what: str = "per-example losses") -> None:
+    """Refuse a forward in which an example's loss depends on the others in its batch: one record
+    would move every other example's loss, and so its gradient or finite difference, past any
+    per-example clipping. The first and the last of :func:`probe_indices` are compared alone and
+    in the probe batch (the last catches a mix over the examples before it). A heuristic: a model
+    may mix in a way these examples and these parameters do not show (a zero-initialised head makes
+    every loss log K; the zeroth-order estimators probe again at their displaced parameters and the
+    hooks compare gradient norms).
+
+    Every forward starts from the run's random state, which is restored: random numbers drawn
+    per example (dropout) then fall alike on the first example alone and first in the batch. The
+    last example is compared only if its loss is the same from another random state (it does not
+    sit first in the batch)."""
     if n_train < 2:
         return
-    with _random_state_kept(device), torch.no_grad():
-        if together is None:
-            together = losses_of(torch.arange(2))
-        alone = losses_of(torch.arange(1))
-    together, alone = together.detach().reshape(-1)[0], alone.reshape(-1)[0].to(together.dtype)
-    tol = max(1e-4, 64 * torch.finfo(together.dtype).eps) * (1 + float(together.abs()))
-    if bool(torch.isfinite(together)) and not float((together - alone).abs()) <= tol:
-        raise UserError(f"{what}: the first training example's loss is {float(together):.6g} beside the second "
-                        f"and {float(alone):.6g} alone; the forward mixes the examples of a batch (batch "
-                        "statistics, a sum or mean over dimension 0, attention across the batch), so clipping "
-                        "one example's contribution would not bound its influence; or the loss is random "
-                        "(augmentation drawn inside it: draw it in the data instead, so a forward is a function "
-                        "of the weights and the example)")
+    idx = probe_indices(n_train)
+    last = len(idx) - 1
+
+    def losses(sel: torch.Tensor, moved: bool = False) -> torch.Tensor:
+        with _random_state_kept(device), torch.no_grad():
+            if moved:
+                torch.rand(1, device=device)
+            return losses_of(sel).detach().reshape(-1)
+
+    together = losses(idx)
+    alone = {0: losses(idx[:1])[0]}
+    single = losses(idx[last:])[0]
+    if torch.equal(single, losses(idx[last:], moved=True)[0]):
+        alone[last] = single
+    for j, single in alone.items():
+        t = together[j]
+        tol = max(1e-4, 64 * torch.finfo(t.dtype).eps) * (1 + float(t.abs()))
+        if bool(torch.isfinite(t)) and not float((t - single.to(t.dtype)).abs()) <= tol:
+            raise _mixing(what, int(idx[j]), f"loss ({float(t):.6g} and {float(single):.6g})")
 
 
 def _check_supported(name: str, module: nn.Module) -> None:
@@ -1298,7 +1327,30 @@ class GradSampler:
             self.contribution(losses).backward()
         # the layout check sees backprops only: a layer that mixes examples before the first
         # hooked layer (batch statistics, say) would pass it
-        check_examples_independent(losses_of, n_train, device, losses.detach(), "per-example gradients")
+        check_examples_independent(losses_of, n_train, device, "per-example gradients")
+        self._check_norms_independent(losses_of, n_train, device)
+
+    def _check_norms_independent(self, losses_of, n_train: int, device: torch.device) -> None:
+        """The first probe example's gradient norm alone and in the probe batch: where
+        the losses cannot show a mix (a zero-initialised head makes every loss log K), the
+        gradient of the head, which holds the mixed features, does."""
+        if n_train < 2:
+            return
+        idx = probe_indices(n_train)
+
+        def norms(sel):
+            with torch.enable_grad(), self.capture(len(sel)):
+                losses = losses_of(sel)
+            return self.contribution(losses).norms().detach().double().cpu()
+
+        with _random_state_kept(device):
+            together = norms(idx)[0]
+        with _random_state_kept(device):  # from the same random state: example 0's dropout falls alike
+            single = norms(idx[:1])[0]
+        if bool(torch.isfinite(together)) and \
+                not float((together - single).abs()) <= 1e-3 * float(together.abs()) + 1e-6:
+            raise _mixing("per-example gradients", int(idx[0]), f"gradient norm ({float(together):.6g} and "
+                          f"{float(single):.6g})")
 
     def contribution(self, losses: torch.Tensor, cls: type | None = None, **extra) -> "HookContribution":
         """The lazy contribution of Σ_i loss_i (non-finite losses are masked out). Its backward runs

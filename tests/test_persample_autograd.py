@@ -607,7 +607,7 @@ def test_a_forward_that_mixes_examples_before_any_hooked_layer_is_refused(norm, 
 def test_zeroth_order_estimators_refuse_a_forward_that_mixes_examples(recipe):
     """The two-point difference of one example is clipped, but with batch centring one replaced
     example moved every example's difference: the released sum by 9.6 × the charged 2C in a review.
-    The estimators run the first-order setup's probe (example 0 alone against beside example 1)."""
+    The estimators run the first-order setup's probe (persample.check_examples_independent)."""
     import dpregistry
     from torch.utils.data import TensorDataset
 
@@ -620,6 +620,49 @@ def test_zeroth_order_estimators_refuse_a_forward_that_mixes_examples(recipe):
         dpregistry.train(recipe, model=Centred(), loss=loss, train_data=TensorDataset(X, Y), verbose=False)
     model = nn.Sequential(nn.Linear(4, 1), nn.Flatten(0))  # per example: trains
     assert dpregistry.train(recipe, model=model, loss=loss, train_data=TensorDataset(X, Y), verbose=False).run.step == 1
+
+
+class Cumulative(nn.Module):
+    """Each example sees the mean of the examples before it in the batch: example 0 alone and in a
+    batch agree, the last does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x):
+        before = torch.cumsum(x, 0) - x
+        return self.lin(x + before / torch.arange(1, len(x) + 1).unsqueeze(1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("case", ["zero head", "duplicated rows", "mix over the examples before"])
+@pytest.mark.parametrize("recipe", [
+    {"algorithm": "dp_sgd", "update": {"lr": 1e-3}},
+    {"algorithm": "dpzero", "estimator": {"name": "zo_two_point"}, "update": {"name": "directional_sgd", "lr": 1e-3}},
+])
+def test_the_mixing_probe_is_not_fooled_by_a_zero_head_copies_or_a_one_sided_mix(case, recipe):
+    """A review passed the probe (example 0 alone against beside example 1, losses only, at the
+    initial parameters) three ways: a zero-initialised last layer (every loss log K; a replaced
+    example then moved a DP-SGD sum by 63 × and a DPZero sum by 47 × the charged 2C), rows 0 and 1
+    alike (77 ×), and a mix over the examples before each one. The probe now takes 8 examples
+    spread over the data, compares the first and the last alone, the hooks compare gradient
+    norms too, and the zeroth-order estimators probe again at x + λu."""
+    import dpregistry
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    X, Y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    model = Cumulative() if case.startswith("mix") else Centred()
+    if case == "zero head":
+        nn.init.zeros_(model.lin.weight), nn.init.zeros_(model.lin.bias)
+    if case == "duplicated rows":
+        X[1] = X[0]
+    recipe = {**recipe, "sampler": {"name": "poisson", "batch_size": 8},
+              "privatizer": {"clip": 0.5, "noise_multiplier": 1.0}, "accountant": "rdp",
+              "privacy": {"epsilon": 1e6, "delta": 1e-5}, "train": {"steps": 1}}
+    loss = lambda out, y: F.binary_cross_entropy_with_logits(out, y.float(), reduction="none")  # noqa: E731
+    with pytest.raises(UserError, match="mixes the examples of a batch"):
+        dpregistry.train(recipe, model=model, loss=loss, train_data=TensorDataset(X, Y), verbose=False)
 
 
 def test_batch_norm_with_running_statistics_in_eval_mode_is_per_example():

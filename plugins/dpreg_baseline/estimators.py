@@ -9,7 +9,7 @@ from pydantic import Field
 
 from dpregistry import Estimator, Objective, StageParams, UserError
 from dpregistry.directions import Direction
-from dpregistry.persample import (PASSES_HELP, GradSampler, LayerGradients, check_examples_independent, check_passes,
+from dpregistry.persample import (PASSES_HELP, GradSampler, LayerGradients, check_passes,
                                   layer_gradients)
 from dpregistry.zeroth_order import central_differences
 from dpregistry.spaces import DENSE, SEEDED_DIRECTION, DenseContribution, DirectionContribution, acc_dtype
@@ -114,15 +114,13 @@ class ZOTwoPoint(Estimator):
         self._probed = False
 
     def contributions(self, objective, indices, ctx):
-        # A forward that mixes a batch moves every example's difference (first-order's setup probe,
-        # at the first step: at setup it would make a head-only objective encode its data early).
-        if not self._probed:
-            check_examples_independent(objective.losses, objective.n_train, ctx.device)
-            self._probed = True
         names = tuple(ctx.params)
         u = Direction(ctx.rng.seed("direction", ctx.step), self.cfg.direction)
         lam = self.cfg.smoothing
-        values, mid = central_differences(objective, indices, ctx, u, lam)
+        # A forward that mixes a batch moves every example's difference: probed at the first step
+        # (at setup it would make a head-only objective encode its data early)
+        values, mid = central_differences(objective, indices, ctx, u, lam, probe=not self._probed)
+        self._probed = True
         yield DirectionContribution(values=values, direction=u, names=names, losses=mid, indices=indices)
 
 

@@ -18,7 +18,6 @@ from pydantic import Field
 from dpregistry import Estimator, StageParams
 from dpregistry.context import Context
 from dpregistry.directions import Direction
-from dpregistry.persample import check_examples_independent
 from dpregistry.spaces import VECTOR_ZO, VectorZOContribution
 from dpregistry.zeroth_order import central_differences
 
@@ -52,16 +51,14 @@ class ZOTwoPointVector(Estimator):
         self._probed = False
 
     def contributions(self, objective, indices, ctx):
-        if not self._probed:  # a forward that mixes a batch (zo_two_point's probe, at the first step)
-            check_examples_independent(objective.losses, objective.n_train, ctx.device)
-            self._probed = True
         m, lam = self.cfg.directions, self.cfg.smoothing
         dirs = tuple(direction_for(ctx, j, self.cfg.direction) for j in range(m))
         cols, mids = [], []
         for j, u in enumerate(dirs):
             if j:  # restore x from the previous direction's x − λu
                 ctx.undo_displacement()
-            diff, mid = central_differences(objective, indices, ctx, u, lam)
+            diff, mid = central_differences(objective, indices, ctx, u, lam, probe=not self._probed)
+            self._probed = True  # a forward that mixes a batch: zo_two_point's probe, at the first step
             cols.append(diff / m)
             mids.append(mid)
         values = torch.stack(cols, 1)
