@@ -250,6 +250,10 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
     provides = _own_objects(model, loss, train_data, eval_data, metrics, users)
     comm = process_group()
     r = load_recipe(recipe, set, own=provides is not None)
+    if users is not None and r.privacy.unit != "user":
+        raise UserError("users= names each example's user, but privacy.unit is example: the guarantee would "
+                        "protect one example, not one user; set privacy: {unit: user, max_examples_per_user: k}, "
+                        "or leave users out", key="users")
     out_dir = on_rank0_for_all(comm, lambda: check_out(Path(out), overwrite)) if out is not None else None
     # Everything that can fail on bad input happens before the folder is touched.
     with saying(_sayer(verbose and (comm is None or comm.rank == 0), console)):

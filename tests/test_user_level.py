@@ -297,6 +297,17 @@ def test_user_level_recipes_that_cannot_hold_are_refused(recipe, says):
         Run(resolve({**base, **recipe}, {}, get_registry())).prepare()
 
 
+def test_user_ids_without_the_user_unit_are_refused():
+    """users= without privacy.unit: user trained at the example level, whose printed unit was right
+    but easy to miss (a review): refused, saying how to ask for the user level."""
+    x, y = torch.randn(40, 4), torch.randint(0, 2, (40,))
+    with pytest.raises(UserError, match="privacy.unit is example") as e:
+        dpregistry.train({"algorithm": "dp_sgd", "privacy": {"epsilon": 4.0, "delta": 1e-3}, "train": {"steps": 2}},
+                         model=nn.Linear(4, 2), loss=per_example, train_data=list(zip(x, y)),
+                         users=torch.arange(40) // 4, verbose=False)
+    assert e.value.key == "users"
+
+
 def test_a_user_level_run_needs_user_ids():
     recipe = {"algorithm": "dp_sgd", "objective": {"name": "tabular", "data": {"dataset": "iris"}},
               "privacy": {"epsilon": 4.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 3},
