@@ -122,7 +122,8 @@ def test_out_of_memory_in_the_cli_is_one_line_and_resume_finishes(reference, tmp
 
     def oom_at_the_seventh_step(self, idx):
         calls["n"] += 1
-        if calls["n"] == 9:  # calls 1 and 2 are the estimator's model checks at setup (two examples, one alone)
+        if calls["n"] == 14:  # calls 1-7 are the estimator's model checks at setup (the layout, four loss
+            # probes: the batch, the first and the last alone, the last again; two gradient-norm probes)
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real(self, idx)
 
