@@ -160,12 +160,13 @@ class ImageClassification(TorchObjective):
         self.std = torch.tensor(d.std).view(1, -1, 1, 1)
         m = self.cfg.model
         self.dtype = DTYPES[m.dtype]
-        # The number of classes is public, the held-out split's: never read off the private training
-        # labels (one row's label of 999 would widen the head, and the model shows it)
-        n_labels = int(yte.max(initial=0)) + 1
-        if min(ytr.min(initial=0), yte.min(initial=0)) < 0 or ytr.max(initial=0) >= n_labels:
-            raise UserError(f"a label lies outside the held-out split's classes 0..{n_labels - 1} (the classes are "
-                            f"taken from the held-out split: the training labels are private)", key="data.path")
+        # The number of classes is public (CIFAR-10's ten, or the held-out split's): never read off
+        # the private training labels (one row's label of 999 would widen the head, and the model shows it)
+        n_labels = 10 if d.format == "cifar10_binary" else int(yte.max(initial=0)) + 1
+        if min(ytr.min(initial=0), yte.min(initial=0)) < 0 or max(ytr.max(initial=0), yte.max(initial=0)) >= n_labels:
+            source = "CIFAR-10's" if d.format == "cifar10_binary" else "the held-out split's"
+            raise UserError(f"a label lies outside the classes 0..{n_labels - 1} ({source}; the private training "
+                            f"labels never set them)", key="data.path")
         with seeded(ctx.rng.seed("init", 0)), quiet():
             if m.init == "pretrained":
                 import transformers
