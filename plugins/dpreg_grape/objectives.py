@@ -163,7 +163,8 @@ class ImageClassification(TorchObjective):
         # The number of classes is public (CIFAR-10's ten, or the held-out split's): never read off
         # the private training labels (one row's label of 999 would widen the head, and the model shows it)
         n_labels = 10 if d.format == "cifar10_binary" else int(yte.max(initial=0)) + 1
-        if min(ytr.min(initial=0), yte.min(initial=0)) < 0 or max(ytr.max(initial=0), yte.max(initial=0)) >= n_labels:
+        labels = np.concatenate([ytr, yte])
+        if labels.min(initial=0) < 0 or labels.max(initial=0) >= n_labels:
             source = "CIFAR-10's" if d.format == "cifar10_binary" else "the held-out split's"
             raise UserError(f"a label lies outside the classes 0..{n_labels - 1} ({source}; the private training "
                             f"labels never set them)", key="data.path")
