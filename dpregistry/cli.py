@@ -197,7 +197,8 @@ def run(recipe: Recipe,
 def resume(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="folder of an interrupted run")],
            quiet: Quiet = False,
            max_nonfinite_steps: Annotated[Optional[int], typer.Option(
-               "--max-nonfinite-steps", min=0, metavar="N", help="raise train.max_nonfinite_steps of a run stopped at it")] = None):
+               "--max-nonfinite-steps", min=0, metavar="N",
+               help="raise train.max_nonfinite_steps of a run stopped at it")] = None):
     """Continue a run from its newest valid checkpoint (the privacy ledger continues too)."""
     from .api import resume
 
@@ -365,7 +366,8 @@ def _subsampled_plan(steps: int, q: float, relation: str):
     return plan
 
 
-Relation = Annotated[str, typer.Option("--relation", metavar="NAME", help="replace_one (the papers) or add_remove (Opacus)")]
+Relation = Annotated[str, typer.Option("--relation", metavar="NAME",
+                                       help="replace_one (the papers) or add_remove (Opacus)")]
 Epsilon = Annotated[float, typer.Option("--epsilon", metavar="EPS", help="the ε to meet")]
 Delta = Annotated[float, typer.Option("--delta", metavar="DELTA", help="δ")]
 Steps = Annotated[int, typer.Option("--steps", metavar="N", help="steps")]

@@ -538,8 +538,8 @@ def test_a_user_column_of_any_format_numbers_users_in_order_of_first_appearance(
     want = first_appearance([speaker_of(i) for i in range(len(rows))])
     assert sorted(set(want)) == list(range(7)) and want[:3] == [0, 1, 2]
     for name, keys in write_user_formats(tmp_path, rows).items():
-        keys = {"path": str(tmp_path), "test": held_out(tmp_path, keys["train"]), "labels": ["0", "1"], "user": "speaker",
-                **keys}
+        keys = {"path": str(tmp_path), "test": held_out(tmp_path, keys["train"]), "labels": ["0", "1"],
+                "user": "speaker", **keys}
         train, test = TextData(**keys).load()
         assert train.users.dtype == np.int64 and train.users.tolist() == want, name
         assert test.users is None  # users are the training data's
@@ -561,8 +561,8 @@ def test_rows_per_user_is_a_public_rule_of_the_row_before_the_k_shot_draw(tmp_pa
                        rows_per_user=7).load()[0]
               for f in ("a.tsv", "b.tsv")]
     assert tables[0].users.tolist() == tables[1].users.tolist() == [r // 7 for r in range(100)]
-    shot = TextData(path=str(tmp_path), train="a.tsv", test=held_out(tmp_path, "a.tsv"), labels=["0", "1"], rows_per_user=7,
-                    k_per_class=9, seed=4).load()[0]
+    shot = TextData(path=str(tmp_path), train="a.tsv", test=held_out(tmp_path, "a.tsv"), labels=["0", "1"],
+                    rows_per_user=7, k_per_class=9, seed=4).load()[0]
     assert shot.users.tolist() == [r // 7 for r in shot.index.tolist()]
     assert shot.users.tolist() != sorted(shot.users.tolist())  # the draw's order, not the file's
 
@@ -577,7 +577,8 @@ def test_a_hub_data_set_gives_users_from_its_column(hub_cache):
 def user_recipe(folder: Path, sampler: dict, **data) -> dict:
     return {"seed": 0, "algorithm": "dp_adam",
             "objective": {"name": "hf_text_classification", "model": {"path": "minilm", "max_length": 16},
-                          "data": {"path": str(folder), "train": "u.tsv", "test": held_out(folder, "u.tsv"), "labels": ["0", "1"],
+                          "data": {"path": str(folder), "train": "u.tsv", "test": held_out(folder, "u.tsv"),
+                                   "labels": ["0", "1"],
                                    **data}},
             "sampler": sampler, "privatizer": {"clip": 1.0, "noise_multiplier": "auto"}, "update": {"lr": 1e-3},
             "privacy": {"epsilon": 6.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 4,
@@ -633,8 +634,9 @@ def test_a_user_level_text_run_without_users_is_told_to_set_data_user(tmp_path):
     with pytest.raises(UserError, match=r"u\.tsv:3: no user in column 'speaker'"):
         make_run(user_recipe(tmp_path, {"name": "poisson", "batch_size": 8}, user="speaker"), tmp_path)
     # rows_per_user: synthetic users, 40 rows // 5 = 8 users
-    run = make_run(user_recipe(tmp_path, {"name": "user_poisson", "users_per_step": 3}, test=held_out(tmp_path, "bare.tsv"),
-                               train="bare.tsv", header=False, text=0, label=1, rows_per_user=5), tmp_path)
+    run = make_run(user_recipe(tmp_path, {"name": "user_poisson", "users_per_step": 3}, train="bare.tsv",
+                               test=held_out(tmp_path, "bare.tsv"), header=False, text=0, label=1, rows_per_user=5),
+                   tmp_path)
     assert run.users.n_users == 8 and run.objective.provide(UserIds).ids.tolist() == [r // 5 for r in range(40)]
 
 
