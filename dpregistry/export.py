@@ -15,11 +15,13 @@ Only a model that computes what the run trained is exported: each objective writ
 (:meth:`dpregistry.stages.Objective.export`) or refuses in one line, saying why. The folder is
 built beside DIR and renamed into place, so a refusal or a failure writes nothing.
 
-The card states the guarantee as the run did, recomputing nothing: ε, δ, the privacy unit, the
-noise mode and multiplier from the run's summary (``summary.json``), the sampling and the charges
-from its ledger (the newest valid checkpoint's, checksummed), the clip and the data set from its
-recipe. From a run folder, the parameters are those of ``model.safetensors`` (the run's output),
-and all three must be of the same step: only a finished run is exported.
+The card states the guarantee as the run did: the privacy unit and the noise multiplier from the
+run's summary, the sampling and the charges from its ledger (the newest valid checkpoint's,
+checksummed), the clip and the data set from its recipe. From a run folder, what summary.json
+cannot vouch for (it has no checksum) is taken from checked records: the ledger must be the last
+one ledger.jsonl recorded, ε, δ and ρ are recomputed from it, and the noise mode is the
+hash-checked recipe's. The parameters are those of ``model.safetensors`` (the run's output), and
+all of them must be of the same step: a run that finished, or stopped and saved its step.
 """
 
 from __future__ import annotations
@@ -87,6 +89,29 @@ def guarantee(summary: dict[str, Any], recipe: dict[str, Any], ledger: list[dict
         "charges": [dict(first_step=e["first_step"], last_step=e["last_step"], count=e["count"],
                          partition=e.get("partition"), event=ev.describe()) for e, ev in zip(ledger, events)],
     }
+
+
+def checked_guarantee(run_dir: Path, summary: dict[str, Any], recipe: dict[str, Any], meta: dict[str, Any],
+                      notion: str | None) -> dict[str, Any]:
+    """:func:`guarantee` for a run folder, with what it states about privacy taken from checked
+    records, not from summary.json (which carries no checksum): the ledger must be the one
+    ledger.jsonl recorded at the model's step, and its last line; ε, δ and ρ are recomputed from it;
+    the noise mode comes from the hash-checked recipe."""
+    from .ledger_file import LedgerFile
+    from .report import recomputed
+
+    step, entries = meta["step"], meta.get("ledger", [])
+    last = LedgerFile(run_dir).last
+    if last is None or last["step"] != step or last["entries"] != entries:
+        where = "is missing" if last is None else f"records steps up to {last['step']}" if last["step"] != step \
+            else f"records another ledger at step {step}"
+        raise UserError(f"ledger.jsonl {where}: the model's ledger (step {step}) is not the last one recorded, so its "
+                        f"card could state less than was spent", file=str(run_dir))
+    _, spent, _ = recomputed(recipe, entries)
+    noise = recipe["privacy"].get("noise")
+    checked = {"epsilon": spent.get("epsilon"), "delta": recipe["privacy"].get("delta"), "rho": spent.get("rho"),
+               "noise": noise, "guarantee": noise != "reproducible"}
+    return guarantee({**summary, **checked}, recipe, entries, notion)
 
 
 def sampling(events) -> list[str]:
@@ -254,7 +279,7 @@ def export_run_folder(run_dir: str | Path, to: str | Path, *, merge: bool = Fals
     if meta.get("step") != step or meta.get("recipe_hash") != recipe.hash:
         raise UserError(f"the newest valid checkpoint (step {meta.get('step')}) is not of the model's step {step}; "
                         f"its ledger would not be the model's", file=str(path))
-    privacy = guarantee(summary, recipe.data, meta.get("ledger", []), recipe.stages["accountant"][0].cls.notion)
+    privacy = checked_guarantee(run_dir, summary, recipe.data, meta, recipe.stages["accountant"][0].cls.notion)
     objective = build_objective(recipe)
     load_params(objective, tensors, model_path)
     return export_objective(objective, to, recipe=recipe, privacy=privacy, metrics=summary.get("metrics"),

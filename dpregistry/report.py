@@ -11,6 +11,7 @@ from . import checkpoint as ckpt
 from .errors import UserError
 from . import files
 from .files import read_regular, require_regular
+from .ledger_file import LedgerFile, extends
 from .privacy.accountant import Accountant, Budget, Ledger, make_accountant
 from .privacy.events import PrivacyEvent
 from .rng import noise_statement
@@ -104,23 +105,14 @@ def spent_curve(acc: Accountant, ledger: Ledger, points: int = 25,
     return out
 
 
-def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dict[str, Any]:
-    """Ledger, privacy spent over steps and the accountant of ``run_dir``, recomputed from the
-    ledger of its newest valid checkpoint; writes ``privacy_epsilon.png`` beside it."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise UserError("run folder not found", file=str(run_dir))
-    found = ckpt.latest_valid(run_dir / "checkpoints", warn=lambda m: None)
-    if found is None:
-        raise UserError("no readable checkpoint in this run folder", file=str(run_dir))
-    _, meta, _ = found
-    recipe = meta["recipe"]
+def recomputed(recipe: dict[str, Any], entries: list[dict[str, Any]]):
+    """(accountant, what it has spent, spent(accountant) in the recipe's unit) for a ledger: ε at
+    the recipe's δ (ELS: group privacy of the example-level ledger, users.user_epsilon) or ρ."""
     privacy = recipe["privacy"]
-    # ELS: the ledger is example-level; group privacy of size k reads it at the user level
     k = els_group(recipe)
     target = Budget(privacy.get("epsilon"), privacy.get("delta"), privacy.get("rho"), privacy["relation"])
     acc = make_accountant(recipe["accountant"], example_budget(target, k))
-    acc.ledger = Ledger.from_json(meta.get("ledger", []))
+    acc.ledger = Ledger.from_json(entries)
     spent = dict(acc.spent())
 
     def in_unit(a: Accountant) -> float:  # ε at the recipe's δ in its unit, or ρ (k²ρ₀ for groups of k)
@@ -132,6 +124,40 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
         spent["epsilon"] = in_unit(acc)
     if spent.get("rho") is not None:
         spent["rho"], spent["target_rho"] = spent["rho"] * k * k, target.rho
+    return acc, spent, in_unit
+
+
+def newest_ledger(run_dir: Path, meta: dict[str, Any]) -> tuple[int, list[dict[str, Any]], str | None]:
+    """(step, ledger, why) of the most that ``run_dir`` shows was spent: the newest valid
+    checkpoint's, or ledger.jsonl's last line where it records later steps that continue it (the
+    newest checkpoint lost or damaged: the steps after it were still released). A ledger file
+    that does not continue the checkpoint's ledger, or whose chain is broken, is refused."""
+    last = LedgerFile(run_dir).last
+    step, entries = meta["step"], meta.get("ledger", [])
+    if last is None or last["step"] <= step:
+        return step, entries, None
+    if not extends(entries, last["entries"]):
+        raise UserError(f"ledger.jsonl records steps up to {last['step']} that do not continue the ledger of the "
+                        f"newest valid checkpoint (step {step}): the folder was edited", file=str(run_dir))
+    return last["step"], last["entries"], (f"the newest valid checkpoint is at step {step}, but ledger.jsonl records "
+                                           f"charges up to step {last['step']}: what was spent is read from it")
+
+
+def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dict[str, Any]:
+    """Ledger, privacy spent over steps and the accountant of ``run_dir``, recomputed from the
+    ledger of its newest valid checkpoint, or of ledger.jsonl where it records more
+    (:func:`newest_ledger`); writes ``privacy_epsilon.png`` beside it."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError("run folder not found", file=str(run_dir))
+    found = ckpt.latest_valid(run_dir / "checkpoints", warn=lambda m: None)
+    if found is None:
+        raise UserError("no readable checkpoint in this run folder", file=str(run_dir))
+    _, meta, _ = found
+    recipe = meta["recipe"]
+    privacy = recipe["privacy"]
+    step, entries, ledger_note = newest_ledger(run_dir, meta)
+    acc, spent, in_unit = recomputed(recipe, entries)
     curve = spent_curve(acc, acc.ledger, points, in_unit)
     label = "ρ spent" if acc.budget.delta is None else "ε spent"
     target = spent.get("target_rho") if acc.budget.delta is None else privacy.get("epsilon")
@@ -146,7 +172,8 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
     summary_path = run_dir / "summary.json"
     summary = _read_json(summary_path) if summary_path.exists() else {}
     return {
-        "run": str(run_dir), "step": meta["step"], "accountant": acc.name, "notion": acc.notion,
+        "run": str(run_dir), "step": step, "checkpoint_step": meta["step"], "ledger_note": ledger_note,
+        "accountant": acc.name, "notion": acc.notion,
         "relation": privacy["relation"], "epsilon": spent.get("epsilon"), "delta": privacy.get("delta"),
         "target_epsilon": privacy.get("epsilon"), "rho": spent.get("rho"), "target_rho": spent.get("target_rho"),
         "noise_multiplier": meta.get("noise_multiplier"), "charges": acc.ledger.n_charges,
@@ -155,7 +182,7 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
         "ledger": ledger, "spent_label": label, "spent_over_steps": curve,
         "epsilon_over_steps": curve if acc.budget.delta is not None else [],
         "plot": str(plot_path) if plot_path else None,
-        "recipe": recipe, "summary": summary if summary.get("step") == meta["step"] else {},
+        "recipe": recipe, "summary": summary if summary.get("step") == step else {},
     }
 
 
@@ -207,7 +234,7 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list, list]:
 def write_report(run_dir: Path) -> list[Path]:
     """``RUN_DIR/report/``: ``report.md`` and PNG plots of the training loss, the held-out metrics
     and ε spent against steps. Works on interrupted runs (ε then comes from the newest checkpoint's
-    ledger)."""
+    ledger, or ledger.jsonl's where it records more)."""
     run_dir = Path(run_dir)
     rep = privacy_report(run_dir, plot=False)
     recipe, summary = rep["recipe"], rep["summary"]
@@ -248,6 +275,8 @@ def write_report(run_dir: Path) -> list[Path]:
     if summary:
         status = f"stopped at step {summary['step']}: {summary['stopped']}" if summary.get("stopped") \
             else f"finished, {summary['step']} steps"
+    elif rep["ledger_note"]:
+        status = f"interrupted, and {rep['ledger_note']} (ε below)"
     else:
         status = f"interrupted; the newest valid checkpoint is at step {rep['step']} (continue with `dpreg resume`)"
     lines = [f"# Run report: {alg}", ""]
@@ -270,10 +299,12 @@ def write_report(run_dir: Path) -> list[Path]:
         lines.append(f"- steps {r['steps']}: {r['count']} × {r['event']}{part}")
     lines.append("")
     final_metrics = summary.get("metrics") or {}
-    if final_metrics:
-        lines += ["## Held-out metrics (final)", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {_num(v)} |" for k, v in final_metrics.items()]
-        lines.append("")
+    for title, keep in (("Held-out metrics (final)", lambda k: not _on_training_data(k)),
+                        (f"{TRAINING_METRICS} (final)", _on_training_data)):
+        shown = {k: v for k, v in final_metrics.items() if keep(k)}
+        if shown:
+            lines += [f"## {title}", "", "| metric | value |", "|---|---|"]
+            lines += [f"| {k} | {_num(v)} |" for k, v in shown.items()] + [""]
     if figures:
         lines += ["## Plots", ""] + [f"![{cap}]({name})" for cap, name in figures if name != "overview.png"] + [""]
     lines += ["## Provenance", "", f"- recipe hash: `{summary.get('recipe_hash') or _recipe_hash(run_dir)}`",
@@ -290,6 +321,18 @@ def write_report(run_dir: Path) -> list[Path]:
     return [md] + written
 
 
+TRAINING_METRICS = "Metrics of the training data (diagnostics without noise, not covered by the guarantee)"
+
+
+def _on_training_data(name: str) -> bool:
+    """An objective's evaluation of its own training data (train_loss, train_excess_risk, ...)."""
+    return name.startswith("train")
+
+
+def _label(name: str) -> str:
+    return f"{name} (training data, not covered)" if _on_training_data(name) else f"held-out {name}"
+
+
 def _eval_series(rows: list[dict[str, Any]], summary: dict[str, Any]) -> list[Series]:
     """Each held-out metric over steps, ending with the final evaluation of a finished run."""
     final = summary.get("metrics") or {}
@@ -299,9 +342,9 @@ def _eval_series(rows: list[dict[str, Any]], summary: dict[str, Any]) -> list[Se
         name = k[len("eval/"):]
         if isinstance(final.get(name), (int, float)) and (not xs or xs[-1] != summary.get("step")):
             xs, ys = xs + [summary["step"]], ys + [final[name]]
-        out.append((f"held-out {name}", xs, ys))
+        out.append((_label(name), xs, ys))
     if not out:  # no periodic evaluation: the final held-out metrics alone
-        out = [(f"held-out {k}", [summary["step"]], [v]) for k, v in sorted(final.items())
+        out = [(_label(k), [summary["step"]], [v]) for k, v in sorted(final.items())
                if isinstance(v, (int, float))]
     return out
 

@@ -235,6 +235,28 @@ def test_what_cannot_be_exported_is_refused_and_nothing_is_written(minilm, tmp_p
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_the_card_states_privacy_from_checked_records_not_from_summary_json(minilm, tmp_path):
+    """summary.json has no checksum: a review set its ε to 0.5 and its noise to "secure" in a
+    reproducible run, deleted ledger.jsonl, and the card stated (0.5, δ)-DP with no word that the ε
+    is no guarantee. ε is recomputed from the checkpoint's ledger and the noise mode is the
+    recipe's; a ledger.jsonl that does not end at the model's ledger is refused."""
+    import shutil
+
+    result, _ = minilm
+    edited = tmp_path / "edited"
+    shutil.copytree(result.run_dir, edited)
+    summary = json.loads((edited / "summary.json").read_text())
+    (edited / "summary.json").write_text(json.dumps({**summary, "epsilon": 0.5, "noise": "secure",
+                                                     "guarantee": True}))
+    assert dpreg("export", edited, "--to", tmp_path / "hf").returncode == 0
+    stated = json.loads((tmp_path / "hf" / "dpregistry.json").read_text())["privacy"]
+    assert stated["epsilon"] == pytest.approx(result.epsilon, rel=1e-9) and stated["epsilon"] > 0.5
+    assert (stated["noise"], stated["guarantee"]) == (result.summary["noise"], result.summary["guarantee"])
+    (edited / "ledger.jsonl").unlink()
+    one_line_refusal(dpreg("export", edited, "--to", tmp_path / "hf2"), "ledger.jsonl is missing")
+    assert not (tmp_path / "hf2").exists()
+
+
 def test_a_pooled_linear_head_is_refused_rather_than_approximated(tmp_path):
     """Mean pooling with a head on normalised features (the shipped MiniLM recipes) is no
     transformers architecture: the refusal says so and how to train an exportable model."""

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import crash_at, make_run, write_recipe
+from conftest import RECIPES, crash_at, make_run, write_recipe
+from dpregistry import checkpoint as ckpt
+from dpregistry.report import privacy_report
 from dpregistry.folder import resume_run
 from test_core_cli import dpreg
 
@@ -108,6 +110,42 @@ def test_the_report_of_an_interrupted_run_uses_its_newest_checkpoint(tmp_path):
     assert "Held-out metrics (final)" not in md  # no final metrics for an unfinished run
     for n in ("overview.png", "loss.png", "eval.png", "epsilon.png"):
         check_png(out / "report" / n)
+
+
+def test_a_lost_final_checkpoint_does_not_lower_the_reported_epsilon(finished, tmp_path):
+    """The reports read the newest valid checkpoint's ledger; with the last checkpoint deleted a
+    review's finished run reported ε = 2.387 instead of 2.999, as "interrupted". ledger.jsonl's
+    newer lines are what was spent; a ledger file that does not continue the checkpoint is refused."""
+    import shutil
+
+    out, _ = finished
+    lost = tmp_path / "lost"
+    shutil.copytree(out, lost)
+    summary = json.loads((lost / "summary.json").read_text())
+    newest = ckpt.list_checkpoints(lost / "checkpoints")[-1][1]
+    newest.unlink()
+    rep = privacy_report(lost, plot=False)
+    assert rep["step"] == summary["step"] and rep["epsilon"] == pytest.approx(summary["epsilon"], rel=1e-9)
+    assert "ledger.jsonl records charges up to step" in rep["ledger_note"]
+    assert dpreg("report", lost).returncode == 0
+    md = (lost / "report" / "report.md").read_text()
+    assert num(table(md, "Privacy")["ε spent"]) == pytest.approx(summary["epsilon"], rel=1e-5)
+    lines = (lost / "ledger.jsonl").read_text().splitlines()
+    (lost / "ledger.jsonl").write_text("\n".join(lines[:1]) + "\n")  # the chain cut: an edit
+    assert privacy_report(lost, plot=False)["step"] < summary["step"]  # nothing newer recorded: the checkpoint's
+
+
+def test_metrics_of_the_training_data_are_not_called_held_out(tmp_path):
+    """quadratic_dpzero's objective reports train_loss, the mean loss over every private training
+    row, computed without noise: report.md listed it as a held-out metric."""
+    out = tmp_path / "q"
+    assert dpreg("run", RECIPES / "quadratic_dpzero.yaml", "--out", out, "--set", "train.steps=20", "-q").returncode == 0
+    assert "train_loss" in json.loads((out / "summary.json").read_text())["metrics"]
+    assert dpreg("report", out).returncode == 0
+    md = (out / "report" / "report.md").read_text()
+    held_out = md.split("## Held-out metrics (final)")[1].split("##")[0] if "## Held-out metrics" in md else ""
+    assert "train_loss" not in held_out
+    assert "train_loss" in md.split("not covered by the guarantee) (final)")[1].split("##")[0]
 
 
 # ------------------------------------------------------------------------------------------
