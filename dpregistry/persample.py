@@ -757,57 +757,71 @@ def check_forward_is_pure(model: nn.Module) -> None:
                             "LayerNorm")
 
 
-def probe_indices(n_train: int, m: int = 8) -> torch.Tensor:
+def probe_indices(n_train: int, micro_batch_size: int | None = None, m: int = 8) -> torch.Tensor:
     """Up to ``m`` training examples spread over the data set, the first and the last included, for
-    the independence probes: neighbouring rows are often alike (a sorted or duplicated file), and
-    a mix over copies of one row does not show."""
-    m = min(m, n_train)
+    the independence probes (never more than the physical batch, nor fewer than two): neighbouring
+    rows are often alike (a sorted or duplicated file), and a mix over copies of one row does not show."""
+    m = min(m, max(2, micro_batch_size or m), n_train)
     return torch.tensor(sorted({round(i * (n_train - 1) / (m - 1)) for i in range(m)}) if m > 1 else [0])
 
 
 def _mixing(what: str, index: int, value: str) -> UserError:
     return UserError(f"{what}: training example {index}'s {value} in a batch of others and alone differ; the forward "
                      "mixes the examples of a batch (batch statistics, a sum or mean over dimension 0, attention "
-                     "across the batch), so clipping one example's contribution would not bound its influence; or "
-                     "the loss is random (augmentation drawn inside it: draw it in the data instead, so a forward "
-                     "is a function of the weights and the example)")
+                     "across the batch), so clipping one example's contribution would not bound its influence")
+
+
+def working_dtype(tensors) -> torch.dtype:
+    """The least precise float dtype among ``tensors`` (the model's working precision)."""
+    return max((t.dtype for t in tensors if t.is_floating_point()), key=lambda d: torch.finfo(d).eps,
+               default=torch.float32)
+
+
+def _tolerance(dtype: torch.dtype, floor: float) -> float:
+    """Relative tolerance between an example's value alone and in a batch: padding and the batch's
+    shape move the rounding, by a few units of the model's working precision."""
+    return max(floor, 8 * torch.finfo(dtype).eps)
+
+
+def _compare_alone(value_of: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor, device: torch.device,
+                   rtol: float, what: str, name: str) -> None:
+    """``value_of`` (one value per example) of the first and last of ``idx`` alone against in ``idx``.
+    Each evaluation starts from the run's random state, which is restored; an example whose value
+    alone is not the same from another random state (dropout, noise drawn in the forward) cannot be
+    compared and is skipped: the probe covers deterministic forwards."""
+    def values(sel: torch.Tensor, moved: bool = False) -> torch.Tensor:
+        with _random_state_kept(device):
+            if moved:
+                torch.rand(1, device=device)
+            return value_of(sel).detach().reshape(-1).double().cpu()
+
+    together = None
+    for j in dict.fromkeys((0, len(idx) - 1)):
+        single = values(idx[j:j + 1])[0]
+        if not (bool(torch.isfinite(single)) and torch.equal(single, values(idx[j:j + 1], moved=True)[0])):
+            continue
+        together = values(idx) if together is None else together
+        t = together[j]
+        if bool(torch.isfinite(t)) and not float((t - single).abs()) <= rtol * (1 + float(t.abs())):
+            raise _mixing(what, int(idx[j]), f"{name} ({float(t):.6g} and {float(single):.6g})")
 
 
 def check_examples_independent(losses_of: Callable[[torch.Tensor], torch.Tensor], n_train: int,
-                               device: torch.device, what: str = "per-example losses") -> None:
+                               device: torch.device, dtype: torch.dtype = torch.float32,
+                               micro_batch_size: int | None = None, what: str = "per-example losses") -> None:
     """Refuse a forward in which an example's loss depends on the others in its batch: one record
     would move every other example's loss, and so its gradient or finite difference, past any
-    per-example clipping. The first and the last of :func:`probe_indices` are compared alone and
-    in the probe batch (the last catches a mix over the examples before it). A heuristic: a model
-    may mix in a way these examples and these parameters do not show (a zero-initialised head makes
-    every loss log K; the zeroth-order estimators probe again at their displaced parameters and the
-    hooks compare gradient norms).
-
-    Every forward starts from the run's random state, which is restored: random numbers drawn
-    per example (dropout) then fall alike on the first example alone and first in the batch. The
-    last example is compared only if its loss is the same from another random state (it does not
-    sit first in the batch)."""
+    per-example clipping. The first and the last of :func:`probe_indices` are compared alone and in
+    the probe batch (the last catches a mix over the examples before it), to the rounding of the
+    model's working ``dtype``. A heuristic: a model may mix in a way these examples and these
+    parameters do not show (a zero-initialised head makes every loss log K: the hooks compare
+    gradient norms and the zeroth-order estimators probe again at their displaced parameters), and
+    a random forward is not compared (see :func:`_compare_alone`)."""
     if n_train < 2:
         return
-    idx = probe_indices(n_train)
-    last = len(idx) - 1
-
-    def losses(sel: torch.Tensor, moved: bool = False) -> torch.Tensor:
-        with _random_state_kept(device), torch.no_grad():
-            if moved:
-                torch.rand(1, device=device)
-            return losses_of(sel).detach().reshape(-1)
-
-    together = losses(idx)
-    alone = {0: losses(idx[:1])[0]}
-    single = losses(idx[last:])[0]
-    if torch.equal(single, losses(idx[last:], moved=True)[0]):
-        alone[last] = single
-    for j, single in alone.items():
-        t = together[j]
-        tol = max(1e-4, 64 * torch.finfo(t.dtype).eps) * (1 + float(t.abs()))
-        if bool(torch.isfinite(t)) and not float((t - single.to(t.dtype)).abs()) <= tol:
-            raise _mixing(what, int(idx[j]), f"loss ({float(t):.6g} and {float(single):.6g})")
+    with torch.no_grad():
+        _compare_alone(losses_of, probe_indices(n_train, micro_batch_size), device, _tolerance(dtype, 1e-4), what,
+                       "loss")
 
 
 def _check_supported(name: str, module: nn.Module) -> None:
@@ -1312,7 +1326,8 @@ class GradSampler:
                                 "count twice")
         self._uses_checked = True
 
-    def check_model(self, losses_of: Callable[[torch.Tensor], torch.Tensor], n_train: int) -> None:
+    def check_model(self, losses_of: Callable[[torch.Tensor], torch.Tensor], n_train: int,
+                    micro_batch_size: int | None = None) -> None:
         """Run the first micro-batch's checks (uses, layout) on the first two training examples,
         so that an estimator refuses a model the hooks cannot serve at setup, before step 1 and
         before anything is written. The random state is restored (dropout masks of the run stay
@@ -1327,30 +1342,17 @@ class GradSampler:
             self.contribution(losses).backward()
         # the layout check sees backprops only: a layer that mixes examples before the first
         # hooked layer (batch statistics, say) would pass it
-        check_examples_independent(losses_of, n_train, device, "per-example gradients")
-        self._check_norms_independent(losses_of, n_train, device)
+        dtype = working_dtype(self.params.values())
+        check_examples_independent(losses_of, n_train, device, dtype, micro_batch_size, "per-example gradients")
+        if n_train >= 2:  # where the losses cannot show a mix (a zero head makes every loss log K), the
+            # head's gradient, which holds the mixed features, does
+            def norms(sel):
+                with torch.enable_grad(), self.capture(len(sel)):
+                    losses = losses_of(sel)
+                return self.contribution(losses).norms()
 
-    def _check_norms_independent(self, losses_of, n_train: int, device: torch.device) -> None:
-        """The first probe example's gradient norm alone and in the probe batch: where
-        the losses cannot show a mix (a zero-initialised head makes every loss log K), the
-        gradient of the head, which holds the mixed features, does."""
-        if n_train < 2:
-            return
-        idx = probe_indices(n_train)
-
-        def norms(sel):
-            with torch.enable_grad(), self.capture(len(sel)):
-                losses = losses_of(sel)
-            return self.contribution(losses).norms().detach().double().cpu()
-
-        with _random_state_kept(device):
-            together = norms(idx)[0]
-        with _random_state_kept(device):  # from the same random state: example 0's dropout falls alike
-            single = norms(idx[:1])[0]
-        if bool(torch.isfinite(together)) and \
-                not float((together - single).abs()) <= 1e-3 * float(together.abs()) + 1e-6:
-            raise _mixing("per-example gradients", int(idx[0]), f"gradient norm ({float(together):.6g} and "
-                          f"{float(single):.6g})")
+            _compare_alone(norms, probe_indices(n_train, micro_batch_size), device, _tolerance(dtype, 1e-3),
+                           "per-example gradients", "gradient norm")
 
     def contribution(self, losses: torch.Tensor, cls: type | None = None, **extra) -> "HookContribution":
         """The lazy contribution of Σ_i loss_i (non-finite losses are masked out). Its backward runs

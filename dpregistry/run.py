@@ -86,12 +86,12 @@ class Run:
                 raise recipe.error("privacy.unit: user runs on one process for now", "privacy", "unit")
             if self.sampler.samples == "examples":
                 self.group = p.max_examples_per_user
-                if self.target.epsilon is None:  # δ₀ = δ/(k·e^{(k−1)ε/k}) needs ε (users.example_budget)
+                if self.target.epsilon is None and self.target.rho is None:  # ρ₀ = ρ/k² or δ₀ from ε (example_budget)
                     raise recipe.error(
                         f"privacy.unit: user with an example-level sampler reads the example-level ledger through "
-                        f"group privacy of size {self.group}, which needs the user-level target privacy.epsilon: "
-                        f"without it the example-level ε is unbounded and the group conversion gives no useful "
-                        f"ε. Set privacy.epsilon, or sample users (sampler: user_poisson) for a fixed noise "
+                        f"group privacy of size {self.group}, which needs a user-level target, privacy.epsilon (or "
+                        f"privacy.rho): without one the example-level ε is unbounded and the group conversion gives "
+                        f"no useful ε. Set it, or sample users (sampler: user_poisson) for a fixed noise "
                         f"multiplier", "privacy", "epsilon")
             elif not self.estimator.user_level:
                 raise recipe.error(f"estimator {self.estimator.name!r} cannot clip a user's examples as one, so "

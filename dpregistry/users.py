@@ -112,26 +112,51 @@ def user_epsilon(epsilon_at: Callable[[float], float], k: int, delta: float, del
     if k == 1:
         return epsilon_at(delta)
 
-    def valid(d0: float) -> float | None:  # user_delta(e0, d0, k) <= δ, in logarithms (no overflow)
+    def check(d0: float) -> tuple[float, bool]:  # ε₀ at δ₀, and whether k·e^{(k−1)ε₀}·δ₀ ≤ δ (in logarithms)
         e0 = epsilon_at(d0)
-        return e0 if math.log(k) + (k - 1) * e0 + math.log(d0) <= math.log(delta) else None
+        return e0, math.log(k) + (k - 1) * e0 + math.log(d0) <= math.log(delta)
 
-    if delta0 is not None and (e0 := valid(delta0)) is not None:
+    def at(x: float) -> tuple[float, bool]:  # at δ₀ = e^x
+        return check(math.exp(x))
+
+    if delta0 is not None and (found := check(delta0))[1]:
+        return k * found[0]
+    # Smaller δ₀ lowers k·e^{(k−1)ε₀}·δ₀ (ε₀ grows far slower than ln 1/δ₀) until the accountant's ε₀
+    # turns inf (PLD's truncated tails): look below δ/k at e^{-1}, e^{-2}, e^{-4}, ... for a valid δ₀,
+    # and where ε₀ turns inf first, at the smallest δ₀ whose ε₀ is finite.
+    hi = math.log(delta / k)
+    e0, ok = at(hi)
+    if ok:
         return k * e0
-    top = math.log(delta / k)  # δ₀ = δ/k holds only if ε₀ = 0 there
-    if (e0 := valid(delta / k)) is not None:
-        return k * e0
-    hi, lo, best, step = top, None, None, 1.0
-    while best is None and top - step > _LOG_TINY:  # a valid δ₀ below: δ/k·e^{-1}, e^{-2}, e^{-4}, ...
-        if (best := valid(math.exp(top - step))) is None:
-            hi, step = top - step, 2 * step
+    lo, step = None, 1.0
+    while lo is None and hi - step > _LOG_TINY:
+        x = hi - step
+        e0, ok = at(x)
+        if ok:
+            lo = x
+        elif math.isinf(e0):
+            finite = hi  # the boundary where ε₀ turns inf lies in (x, hi]
+            while finite - x > 1e-3:
+                mid = (x + finite) / 2
+                e_mid, ok = at(mid)
+                if ok:
+                    lo = mid
+                    break
+                x, finite = (x, mid) if math.isfinite(e_mid) else (mid, finite)
+            else:
+                e0, ok = at(finite)
+                lo = finite if ok else None
+            if lo is None:
+                return math.inf
         else:
-            lo = top - step
-    if best is None:
+            hi, step = x, 2 * step
+    if lo is None:
         return math.inf
+    best = at(lo)[0]
     while hi - lo > 1e-3:  # the largest valid δ₀, to 0.1 % (ε₀ moves far less)
         mid = (lo + hi) / 2
-        if (e0 := valid(math.exp(mid))) is not None:
+        e0, ok = at(mid)
+        if ok:
             lo, best = mid, e0
         else:
             hi = mid

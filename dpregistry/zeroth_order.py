@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .directions import Direction
-from .persample import check_examples_independent
+from .persample import check_examples_independent, working_dtype
 from .spaces import acc_dtype
 
 
@@ -30,11 +30,13 @@ def central_differences(objective, indices: torch.Tensor, ctx, u: Direction, lam
     losses = objective.losses if len(indices) else \
         (lambda _: torch.zeros(0, dtype=acc_dtype(tensors[0].dtype), device=tensors[0].device))
     if probe:
-        check_examples_independent(objective.losses, objective.n_train, ctx.device)
+        check_examples_independent(objective.losses, objective.n_train, ctx.device, working_dtype(tensors),
+                                   ctx.micro_batch_size)
     u.add_(tensors, lam)
     ctx.displace(u, names, lam)
     if probe:
-        check_examples_independent(objective.losses, objective.n_train, ctx.device)
+        check_examples_independent(objective.losses, objective.n_train, ctx.device, working_dtype(tensors),
+                                   ctx.micro_batch_size)
     plus = losses(indices)
     u.add_(tensors, -2 * lam)
     ctx.displace(u, names, -lam)

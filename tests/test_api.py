@@ -144,7 +144,8 @@ def test_a_loss_of_model_and_batch_serves_any_example_shape():
     def loss(model, batch):
         return F.cross_entropy(model(batch["pixels"]), batch["label"], reduction="none")
 
-    r = dpregistry.train(RECIPE, model=model, loss=loss, train_data=rows, eval_data=rows[:100], verbose=False)
+    held_out = [{"pixels": x[i], "label": y[i]} for i in range(300, 400)]
+    r = dpregistry.train(RECIPE, model=model, loss=loss, train_data=rows, eval_data=held_out, verbose=False)
     assert r.summary["step"] == 20 and set(r.metrics) == {"loss"}
 
 
@@ -180,14 +181,19 @@ def test_held_out_data_that_holds_training_examples_is_refused():
     """The held-out metrics are covered by the guarantee only when they are computed on other data:
     with eval_data=train_data a threshold on the held-out loss told a canary's presence 16 times
     in 16 at ε = 1 (a review). The same object, TensorDatasets of the same tensors and
-    random_split Subsets whose indices meet are refused before any step; disjoint ones train."""
+    random_split Subsets whose indices meet (or one and the whole), overlapping views of one tensor's
+    rows and lists holding the same examples are refused before any step; disjoint ones train, also
+    when they share a constant column."""
     x, y = digits()
     model, _, _ = own()
     full = torch.utils.data.TensorDataset(x[:800], y[:800])
     first, rest = torch.utils.data.random_split(full, [600, 200], generator=torch.Generator().manual_seed(0))
     overlapping = torch.utils.data.Subset(full, [int(first.indices[0]), *map(int, rest.indices)])
+    rows = list(zip(x[:800], y[:800]))
     for train, held_out in [(full, full), (full, torch.utils.data.TensorDataset(*full.tensors)),
-                            (first, overlapping)]:
+                            (first, overlapping), (first, full), (rows, rows[:100]),
+                            (torch.utils.data.TensorDataset(x[:300], y[:300]),
+                             torch.utils.data.TensorDataset(x[200:400], y[200:400]))]:
         with pytest.raises(UserError, match="eval_data holds training examples") as e:
             dpregistry.train(RECIPE, model=model, loss=per_example, train_data=train, eval_data=held_out,
                              verbose=False)
@@ -195,6 +201,15 @@ def test_held_out_data_that_holds_training_examples_is_refused():
     r = dpregistry.train(dict(RECIPE, train={"steps": 2}), model=model, loss=per_example, train_data=first,
                          eval_data=rest, verbose=False)
     assert r.summary["step"] == 2 and "accuracy" in r.metrics
+    ones = torch.ones(800, 1)
+
+    def with_ones(model, batch):
+        return per_example(model(batch[0] * batch[1]), batch[2])
+
+    r = dpregistry.train(dict(RECIPE, train={"steps": 2}), model=model, loss=with_ones,
+                         train_data=torch.utils.data.TensorDataset(x[:400], ones[:400], y[:400]),
+                         eval_data=torch.utils.data.TensorDataset(x[400:800], ones[:400], y[400:800]), verbose=False)
+    assert r.summary["step"] == 2
 
 
 def test_a_model_with_a_weight_used_outside_its_layer_is_refused_before_step_1():

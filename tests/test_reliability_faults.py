@@ -117,17 +117,27 @@ def test_a_forward_pass_that_fails_leaves_no_trace(recipe, fault, tmp_path):
 def test_out_of_memory_in_the_cli_is_one_line_and_resume_finishes(reference, tmp_path, monkeypatch):
     from dpreg_baseline.objectives import TabularObjective
 
+    from dpregistry.persample import GradSampler
+
     recipe, ref_out = reference
-    real, calls = TabularObjective.batch_losses, {"n": 0}
+    real, calls, probing = TabularObjective.batch_losses, {"n": 0}, []
+    real_check = GradSampler.check_model
 
     def oom_at_the_seventh_step(self, idx):
-        calls["n"] += 1
-        if calls["n"] == 14:  # calls 1-7 are the estimator's model checks at setup (the layout, four loss
-            # probes: the batch, the first and the last alone, the last again; two gradient-norm probes)
+        calls["n"] += not probing  # the estimator's model checks at setup are no step's
+        if calls["n"] == 7 and not probing:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real(self, idx)
 
+    def check_model(self, *args, **kwargs):
+        probing.append(True)
+        try:
+            return real_check(self, *args, **kwargs)
+        finally:
+            probing.pop()
+
     monkeypatch.setattr(TabularObjective, "batch_losses", oom_at_the_seventh_step)
+    monkeypatch.setattr(GradSampler, "check_model", check_model)
     out = tmp_path / "out"
     res = dpreg("run", recipe, "--out", out, "-q")
     FAULTS["injected"] += 1

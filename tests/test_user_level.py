@@ -243,16 +243,19 @@ def test_the_group_conversion_without_a_valid_budget_delta_searches_and_stays_va
     assert user_epsilon(example.get_epsilon, k, DELTA, DELTA / k) == eps
 
 
-@pytest.mark.parametrize("privacy", [{"delta": 1e-3}, {"rho": 2.0, "delta": 1e-3}])
-def test_els_without_an_epsilon_target_is_refused(privacy):
-    """ELS places δ₀ from the user-level ε target; without one ε₀ is unbounded, and group privacy of
-    an ε₀ of 8 at k = 4 needs δ₀ below e^{-24}·δ: refused before the run, with the way out."""
+def test_els_without_a_target_is_refused():
+    """ELS places δ₀ from the user-level ε target (or ρ₀ = ρ/k² from a ρ one); without either ε₀ is
+    unbounded, and group privacy of an ε₀ of 8 at k = 4 needs δ₀ below e^{-24}·δ: refused before
+    the run, with the way out. A ρ target alone is held exactly (ρ-zCDP is k²ρ for groups of k)."""
+    recipe = {"algorithm": "dp_sgd", "sampler": {"name": "poisson", "batch_size": 30},
+              "privatizer": {"noise_multiplier": 2.0}, "privacy": {"delta": 1e-3, "unit": "user",
+                                                                    "max_examples_per_user": 4}, "train": {"steps": 4}}
     with pytest.raises(UserError, match="privacy.epsilon") as e:
-        _own_run({"algorithm": "dp_sgd", "sampler": {"name": "poisson", "batch_size": 30},
-                  "privatizer": {"noise_multiplier": 2.0},
-                  "privacy": {**privacy, "unit": "user", "max_examples_per_user": 4}, "train": {"steps": 4}},
-                 torch.arange(240) // 12)
+        _own_run(recipe, torch.arange(240) // 12)
     assert "user_poisson" in str(e.value)
+    run = _own_run(dict(recipe, accountant="zcdp", privatizer={"noise_multiplier": "auto"},
+                        privacy={"rho": 2.0, "unit": "user", "max_examples_per_user": 4}), torch.arange(240) // 12)
+    assert run.budget.rho == 2.0 / 16 and run.train()["rho"] <= 2.0
 
 
 def _own_run(recipe, users, n=240, dim=4, seed=0):

@@ -58,7 +58,7 @@ class PerExampleGrad(Estimator):
         check_passes(self.cfg.passes, ctx)
         self.sampler = GradSampler(module, ctx.params, passes=self.cfg.passes) if backend == "hooks" else None
         if self.sampler is not None:
-            self.sampler.check_model(objective.losses, objective.n_train)
+            self.sampler.check_model(objective.losses, objective.n_train, ctx.micro_batch_size)
 
     def provide(self, kind):
         return layer_gradients(self.sampler)

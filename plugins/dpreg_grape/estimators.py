@@ -164,7 +164,7 @@ class ProjectedPerExampleGrad(Estimator):
         self.current: dict[str, Projector] = self.projectors(ctx.step)
         check_passes(self.cfg.passes, ctx)
         self.sampler = GradSampler(module, ctx.params, handler_for=self._handler_for, passes=self.cfg.passes)
-        self.sampler.check_model(objective.losses, objective.n_train)
+        self.sampler.check_model(objective.losses, objective.n_train, ctx.micro_batch_size)
 
     def provide(self, kind):
         return layer_gradients(self.sampler)
