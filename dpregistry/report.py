@@ -105,6 +105,10 @@ def spent_curve(acc: Accountant, ledger: Ledger, points: int = 25,
     return out
 
 
+#: what a plot of a reproducible run's ε says under its title
+NO_GUARANTEE = "\nreproducible noise: this ε is not a privacy guarantee"
+
+
 def recomputed(recipe: dict[str, Any], entries: list[dict[str, Any]]):
     """(accountant, what it has spent, spent(accountant) in the recipe's unit) for a ledger: ε at
     the recipe's δ (ELS: group privacy of the example-level ledger, users.user_epsilon) or ρ."""
@@ -166,7 +170,8 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
         plot_path = run_dir / PLOT_NAME
         _plot(plot_path, [(label, [0] + [k for k, _ in curve], [0.0] + [v for _, v in curve])],
               f"{recipe['algorithm']['name']}: privacy spent ({acc.name}, "
-              f"{privacy['relation'].replace('_', '-')})",
+              f"{privacy['relation'].replace('_', '-')})"
+              + (NO_GUARANTEE if privacy.get("noise") == "reproducible" else ""),
               {label: target} if target is not None and math.isfinite(target) else None)
     ledger = [dict(e, describe=PrivacyEvent.from_dict(e["event"]).describe()) for e in acc.ledger.to_json()]
     summary_path = run_dir / "summary.json"
@@ -265,11 +270,13 @@ def write_report(run_dir: Path) -> list[Path]:
     target = rep["target_epsilon"]
     eps_limit = {"ε spent": target} if isinstance(target, (int, float)) and math.isfinite(target) else None
     figure("overview.png", "Overview: training loss, held-out metric and ε spent against steps",
-           [loss, *_main_metric(eval_series), eps], f"{alg}: overview", eps_limit)
+           [loss, *_main_metric(eval_series), eps], f"{alg}: overview" + ("" if rep["guarantee"] else NO_GUARANTEE),
+           eps_limit)
     figure("loss.png", "Training loss (private batch, before noise; a diagnostic, not covered by the "
            "guarantee)", [loss], f"{alg}: training loss")
     figure("eval.png", "Held-out metrics", eval_series, f"{alg}: held-out metrics")
-    figure("epsilon.png", "Privacy spent", [eps], f"{alg}: ε spent ({rep['accountant']}, δ = {_num(rep['delta'])})",
+    figure("epsilon.png", "Privacy spent", [eps], f"{alg}: ε spent ({rep['accountant']}, δ = {_num(rep['delta'])})"
+           + ("" if rep["guarantee"] else NO_GUARANTEE),
            eps_limit)
 
     if summary:
@@ -288,7 +295,7 @@ def write_report(run_dir: Path) -> list[Path]:
               f"| ε spent | {_num(rep['epsilon'])} |", f"| target ε | {_num(rep['target_epsilon'])} |",
               f"| δ | {_num(rep['delta'])} |"]
     if summary.get("rho") is not None or recipe["privacy"].get("rho") is not None:
-        lines += [f"| ρ spent | {_num(summary.get('rho'))} |", f"| target ρ | {_num(recipe['privacy'].get('rho'))} |"]
+        lines += [f"| ρ spent | {_num(rep['rho'])} |", f"| target ρ | {_num(recipe['privacy'].get('rho'))} |"]
     lines += [f"| accountant | {rep['accountant']} |", f"| neighbouring relation | {rep['relation']} |",
               f"| noise multiplier | {_num(rep['noise_multiplier'])} |", f"| steps | {rep['step']} |",
               f"| noise | {recipe['privacy'].get('noise')}: {noise_statement(recipe['privacy'].get('noise'))} |",

@@ -112,7 +112,7 @@ def user_epsilon(epsilon_at: Callable[[float], float], k: int, delta: float, del
     if k == 1:
         return epsilon_at(delta)
 
-    def check(d0: float) -> tuple[float, bool]:  # ε₀ at δ₀, and whether k·e^{(k−1)ε₀}·δ₀ ≤ δ (in logarithms)
+    def check(d0: float) -> tuple[float, bool]:  # ε₀ at δ₀, and whether k·e^{(k−1)ε₀}·δ₀ ≤ δ (in logs)
         e0 = epsilon_at(d0)
         return e0, math.log(k) + (k - 1) * e0 + math.log(d0) <= math.log(delta)
 
@@ -121,8 +121,8 @@ def user_epsilon(epsilon_at: Callable[[float], float], k: int, delta: float, del
 
     if delta0 is not None and (found := check(delta0))[1]:
         return k * found[0]
-    # Smaller δ₀ lowers k·e^{(k−1)ε₀}·δ₀ (ε₀ grows far slower than ln 1/δ₀) until the accountant's ε₀
-    # turns inf (PLD's truncated tails): look below δ/k at e^{-1}, e^{-2}, e^{-4}, ... for a valid δ₀,
+    # Smaller δ₀ lowers k·e^{(k−1)ε₀}·δ₀ (ε₀ grows far slower than ln 1/δ₀) until the accountant's
+    # ε₀ turns inf (PLD's truncated tails): look below δ/k at e^{-1}, e^{-2}, e^{-4}, ... for a valid δ₀,
     # and where ε₀ turns inf first, at the smallest δ₀ whose ε₀ is finite.
     hi = math.log(delta / k)
     e0, ok = at(hi)

@@ -238,3 +238,21 @@ def test_the_evaluation_curve_starts_at_step_0_with_visible_points(tmp_path, fig
             box = ax.get_window_extent()
             assert box.x0 <= x < box.x1 and box.y0 < y < box.y1  # drawn inside the axes
         assert ax.get_xlim()[0] <= 0 and whole_steps(ax)[0] == 0
+
+
+def test_a_reproducible_runs_plots_say_their_epsilon_is_no_guarantee(tmp_path, figures):
+    """report.md said it in its noise row only; the ε plots and the overview now say it under their
+    titles (a review); a run with secret noise does not."""
+    from dpregistry.report import NO_GUARANTEE
+
+    def titles(noise):
+        out = tmp_path / noise
+        recipe = write_recipe(tmp_path, {**RECIPE, "privacy": {**RECIPE["privacy"], "noise": noise}}, f"{noise}.yaml")
+        assert dpreg("run", recipe, "--out", out, "-q").returncode == 0
+        return {name: fig._suptitle.get_text() if fig._suptitle else " ".join(ax.get_title() for ax in fig.axes)
+                for name, fig in figures(out).items()}
+
+    said = NO_GUARANTEE.strip()
+    reproducible, secure = titles("reproducible"), titles("secure")
+    assert said in reproducible["epsilon.png"] and said in reproducible["overview.png"]
+    assert not any(said in t for t in secure.values())

@@ -147,6 +147,14 @@ class ImageClassification(TorchObjective):
             xte, yte = _cifar10_binary(folder, ["test_batch.bin"])
         else:
             (xtr, ytr), (xte, yte) = _npz(folder / "train.npz"), _npz(folder / "test.npz")
+        # The number of classes is public (CIFAR-10's ten, or the whole held-out split's): never read off
+        # the private training labels (one row's label of 999 would widen the head, and the model shows it)
+        n_labels = 10 if d.format == "cifar10_binary" else int(yte.max(initial=0)) + 1
+        labels = np.concatenate([ytr, yte])
+        if labels.min(initial=0) < 0 or labels.max(initial=0) >= n_labels:
+            source = "CIFAR-10's" if d.format == "cifar10_binary" else "the held-out split's"
+            raise UserError(f"a label lies outside the classes 0..{n_labels - 1} ({source}; the private training "
+                            f"labels never set them)", key="data.path")
         if d.max_train:
             xtr, ytr = xtr[:d.max_train], ytr[:d.max_train]
         if d.max_test:
@@ -160,14 +168,6 @@ class ImageClassification(TorchObjective):
         self.std = torch.tensor(d.std).view(1, -1, 1, 1)
         m = self.cfg.model
         self.dtype = DTYPES[m.dtype]
-        # The number of classes is public (CIFAR-10's ten, or the held-out split's): never read off
-        # the private training labels (one row's label of 999 would widen the head, and the model shows it)
-        n_labels = 10 if d.format == "cifar10_binary" else int(yte.max(initial=0)) + 1
-        labels = np.concatenate([ytr, yte])
-        if labels.min(initial=0) < 0 or labels.max(initial=0) >= n_labels:
-            source = "CIFAR-10's" if d.format == "cifar10_binary" else "the held-out split's"
-            raise UserError(f"a label lies outside the classes 0..{n_labels - 1} ({source}; the private training "
-                            f"labels never set them)", key="data.path")
         with seeded(ctx.rng.seed("init", 0)), quiet():
             if m.init == "pretrained":
                 import transformers
