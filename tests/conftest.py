@@ -114,3 +114,21 @@ def fp64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+def setup_probes(monkeypatch) -> list:
+    """A list that is not empty while the hooks' setup checks run (GradSampler.check_model: the
+    layout check and the mixing probes), for tests that count the calls of a run's steps."""
+    from dpregistry.persample import GradSampler
+
+    probing, real = [], GradSampler.check_model
+
+    def check_model(self, *args, **kwargs):
+        probing.append(True)
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            probing.pop()
+
+    monkeypatch.setattr(GradSampler, "check_model", check_model)
+    return probing

@@ -514,26 +514,17 @@ def test_privacy_is_independent_of_rank(tmp_path):
 
 def test_gradient_accumulation_does_not_change_the_result(tmp_path, monkeypatch):
     """Micro-batches of one step share P (the estimator's and the update's), and the step is the same."""
-    used, probing = [], []
+    from conftest import setup_probes
     from dpreg_grape.estimators import ProjectedLinearHandler
-    from dpregistry.persample import GradSampler
 
-    orig, orig_check = ProjectedLinearHandler.weight_product, GradSampler.check_model
+    used, probing, orig = [], setup_probes(monkeypatch), ProjectedLinearHandler.weight_product
 
     def weight_product(self, use, a, g):
         if not probing:  # the setup's probes are no step's micro-batches
             used.append((self.name, self.estimator.current[self.name]))
         return orig(self, use, a, g)
 
-    def check_model(self, *args, **kwargs):
-        probing.append(True)
-        try:
-            return orig_check(self, *args, **kwargs)
-        finally:
-            probing.pop()
-
     monkeypatch.setattr(ProjectedLinearHandler, "weight_product", weight_product)
-    monkeypatch.setattr(GradSampler, "check_model", check_model)
     seen = spy_releases(monkeypatch, ProjectedAdam)
     recipe = digits(steps=3, estimator={"rank": 8, "refresh_every": 2}, update={"lr": 3e-3})
     a, run_a = params_after(recipe, tmp_path)

@@ -117,11 +117,10 @@ def test_a_forward_pass_that_fails_leaves_no_trace(recipe, fault, tmp_path):
 def test_out_of_memory_in_the_cli_is_one_line_and_resume_finishes(reference, tmp_path, monkeypatch):
     from dpreg_baseline.objectives import TabularObjective
 
-    from dpregistry.persample import GradSampler
+    from conftest import setup_probes
 
     recipe, ref_out = reference
-    real, calls, probing = TabularObjective.batch_losses, {"n": 0}, []
-    real_check = GradSampler.check_model
+    real, calls, probing = TabularObjective.batch_losses, {"n": 0}, setup_probes(monkeypatch)
 
     def oom_at_the_seventh_step(self, idx):
         calls["n"] += not probing  # the estimator's model checks at setup are no step's
@@ -129,15 +128,7 @@ def test_out_of_memory_in_the_cli_is_one_line_and_resume_finishes(reference, tmp
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real(self, idx)
 
-    def check_model(self, *args, **kwargs):
-        probing.append(True)
-        try:
-            return real_check(self, *args, **kwargs)
-        finally:
-            probing.pop()
-
     monkeypatch.setattr(TabularObjective, "batch_losses", oom_at_the_seventh_step)
-    monkeypatch.setattr(GradSampler, "check_model", check_model)
     out = tmp_path / "out"
     res = dpreg("run", recipe, "--out", out, "-q")
     FAULTS["injected"] += 1
