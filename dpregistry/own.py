@@ -69,28 +69,28 @@ def _indexable(data: Any, what: str) -> Any:
     return data
 
 
-def _rows_of(data: Any) -> tuple[Any, set[int] | None]:
+def _rows_of(data: Any) -> tuple[Any, list[int] | None]:
     """(the data set underneath, the indices of it that ``data`` holds, or None for all of it)."""
     from torch.utils.data import Subset
 
     if isinstance(data, Subset):
         base, inner = _rows_of(data.dataset)
         idx = [int(i) for i in data.indices]
-        return base, set(idx) if inner is None else {sorted(inner)[i] for i in idx}
+        return base, idx if inner is None else [inner[i] for i in idx]
     return data, None
 
 
 def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' first rows overlap in one storage (views of one tensor's rows); a row
-    stride of 0 (a broadcast constant) holds no rows."""
+    """Whether two tensors' rows overlap in one storage (views of one tensor's rows); a row stride
+    of 0 (a broadcast constant) holds no rows."""
     if a.dim() == 0 or b.dim() == 0 or a.stride(0) == 0 or b.stride(0) == 0 or \
             a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     size = a.element_size()
 
-    def span(t):
-        start = t.storage_offset() * size
-        return start, start + ((t.shape[0] - 1) * t.stride(0) + 1) * size
+    def span(t):  # the bytes from its first row's first element to its last row's
+        ends = (t.storage_offset() * size, (t.storage_offset() + (t.shape[0] - 1) * t.stride(0)) * size)
+        return min(ends), max(ends) + size
 
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
@@ -98,14 +98,14 @@ def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _shares_rows(train: Any, held_out: Any) -> bool:
     """Whether the held-out data visibly holds training rows: the same data set (Subsets of one data
-    set, random_split's, whose indices meet, or one and the whole), TensorDatasets whose every tensor
-    overlaps the other's rows in one storage, or lists holding the same example objects. Rows copied into other objects
-    are not detected."""
+    set, random_split's, whose indices meet, or one and the whole), TensorDatasets whose every
+    tensor overlaps the other's rows in one storage, or lists holding the same example objects.
+    Rows copied into other objects are not detected."""
     from torch.utils.data import TensorDataset
 
     (a, ia), (b, ib) = _rows_of(train), _rows_of(held_out)
     if a is b:
-        return ia is None or ib is None or not ia.isdisjoint(ib)
+        return ia is None or ib is None or not set(ia).isdisjoint(ib)
     if isinstance(a, TensorDataset) and isinstance(b, TensorDataset):
         return len(a.tensors) == len(b.tensors) and all(_same_rows(x, y) for x, y in zip(a.tensors, b.tensors))
     if isinstance(a, list) and isinstance(b, list):
