@@ -688,13 +688,15 @@ def test_image_classes_come_from_the_held_out_split(tmp_path):
 
 def test_the_training_file_or_split_is_refused_as_held_out_data(tmp_path):
     """Held-out metrics on the training rows measure those rows (a review told a canary apart 16
-    times in 16 at ε = 1): data.test naming the training file (by any path) or split is refused."""
+    times in 16 at ε = 1): data.test naming the training file (by any path, or a hard link) or
+    split is refused; a copy is not detected."""
     from dpregistry.data import TextData
     from dpregistry.errors import UserError
 
     (tmp_path / "a.tsv").write_text("sentence\tlabel\ngood\t1\nbad\t0\n")
     (tmp_path / "sub").mkdir()
-    for test in ("a.tsv", str(tmp_path / "a.tsv"), "sub/../a.tsv"):
+    os.link(tmp_path / "a.tsv", tmp_path / "linked.tsv")
+    for test in ("a.tsv", str(tmp_path / "a.tsv"), "sub/../a.tsv", "linked.tsv"):
         with pytest.raises(UserError, match="data.test is the training data") as e:
             TextData(path=str(tmp_path), train="a.tsv", test=test).load()
         assert e.value.key == "data.test"

@@ -18,6 +18,7 @@ import array
 import csv
 import hashlib
 import json
+import os
 import random
 from collections import Counter, OrderedDict
 from pathlib import Path
@@ -243,6 +244,17 @@ class Source:
 
     def __str__(self) -> str:
         return self.name
+
+
+def _same_source(a: Source, b: Source) -> bool:
+    """The same split of one data set, or the same file or folder by any path (hard links too)."""
+    if str(a) == str(b):
+        return True
+    pa, pb = (s.path if s.path is not None else Path(str(s)) for s in (a, b))
+    try:
+        return pa.exists() and pb.exists() and os.path.samefile(pa, pb)
+    except OSError:
+        return False
 
 
 class TextTable:
@@ -612,8 +624,7 @@ class TextData(BaseModel):
                                                               self._split(*splits, "test"))
         else:
             (train_rows, train_src), (test_rows, test_src) = self._file("train"), self._file("test")
-        if str(train_src) == str(test_src) or (train_src.path is not None and test_src.path is not None
-                                               and train_src.path.resolve() == test_src.path.resolve()):
+        if _same_source(train_src, test_src):
             raise UserError(f"data.test is the training data ({train_src}): held-out metrics computed on it measure "
                             f"the training examples themselves, which the guarantee does not cover; name a held-out "
                             f"file or split", key="data.test")
