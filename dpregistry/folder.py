@@ -404,7 +404,8 @@ def _check_ledger(run, tensors: dict[str, Any], meta: dict[str, Any], path: Path
     run's checkpoint must be the one recorded. Whether the file records this step."""
     step, entries, out = run.step, run.accountant.ledger.to_json(), run.folder.path
     journal = LedgerFile(out)
-    recorded, last = journal.at(step), journal.last
+    line, last = journal.line(step), journal.last
+    recorded = line["entries"] if line else None
 
     def refuse(why: str):
         raise UserError(f"{why}; refusing to resume from a ledger that may under-report the spending", file=str(path))
@@ -420,7 +421,6 @@ def _check_ledger(run, tensors: dict[str, Any], meta: dict[str, Any], path: Path
             refuse(f"its ledger at step {step} does not continue ledger.jsonl (last recorded at step {last['step']})")
     if any(e["last_step"] >= step for e in entries):
         refuse(f"its ledger charges steps after its own step {step}")
-    line = next((r for r in journal.lines() if r["step"] == step), None)
     if line and line.get("state") not in (None, ckpt.state_digest(tensors, meta)):
         raise UserError(f"this checkpoint is not the one ledger.jsonl recorded at step {step} (its parameters or "
                         f"state differ): a keyed run continued from it would replay the noise of other releases",

@@ -87,10 +87,14 @@ class LedgerFile:
         self._lines = out
         return out
 
+    def line(self, step: int) -> dict[str, Any] | None:
+        """The line recorded at ``step`` (steps only increase, so there is at most one), or None."""
+        return next((r for r in self.lines() if r["step"] == step), None)
+
     def at(self, step: int) -> list[dict[str, Any]] | None:
-        """The ledger recorded at ``step`` (the last such line), or None."""
-        found = [r["entries"] for r in self.lines() if r["step"] == step]
-        return found[-1] if found else None
+        """The ledger recorded at ``step``, or None."""
+        line = self.line(step)
+        return line["entries"] if line else None
 
     @property
     def last(self) -> dict[str, Any] | None:
@@ -104,12 +108,11 @@ class LedgerFile:
         (other GPU kernels, thread counts or library versions) would release two sums under one noise
         draw, whose difference is free of noise. A step below the newest recorded one that was never
         checkpointed cannot be checked: a replay writes nothing there (a stop inside a replay)."""
-        lines = self.lines()
-        known = [r for r in lines if r["step"] == step]
-        if known and known[0].get("state") == state:
+        lines, known = self.lines(), self.line(step)
+        if known and known.get("state") == state:
             return
         why = None
-        if known and "state" not in known[0]:
+        if known and "state" not in known:
             why = (f"step {step} was recorded by an earlier dpregistry without the digest that would show whether this "
                    f"replay of it is the same release; resume with the version that wrote it, or restore the newer "
                    f"checkpoint")
