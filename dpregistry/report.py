@@ -124,7 +124,7 @@ def recomputed(recipe: dict[str, Any], entries: list[dict[str, Any]]):
             return a.rho() * k * k
         return user_epsilon(a.epsilon, k, target.delta, a.budget.delta)
 
-    if spent.get("epsilon") is not None:
+    if k > 1 and spent.get("epsilon") is not None:  # with k = 1 the accountant's own ε is the unit's
         spent["epsilon"] = in_unit(acc)
     if spent.get("rho") is not None:
         spent["rho"], spent["target_rho"] = spent["rho"] * k * k, target.rho
