@@ -788,7 +788,10 @@ def _compare_alone(value_of: Callable[[torch.Tensor], torch.Tensor], idx: torch.
     """``value_of`` (one value per example) of the first and last of ``idx`` alone against in ``idx``.
     Each evaluation starts from the run's random state, which is restored; an example whose value
     alone is not the same from another random state (dropout, noise drawn in the forward) cannot be
-    compared and is skipped: the probe covers deterministic forwards."""
+    compared and is skipped: the probe covers deterministic forwards. One example: nothing to compare."""
+    if len(idx) < 2:
+        return
+
     def values(sel: torch.Tensor, moved: bool = False) -> torch.Tensor:
         with _random_state_kept(device):
             if moved:
@@ -817,8 +820,6 @@ def check_examples_independent(losses_of: Callable[[torch.Tensor], torch.Tensor]
     parameters do not show (a zero-initialised head makes every loss log K: the hooks compare
     gradient norms and the zeroth-order estimators probe again at their displaced parameters), and
     a random forward is not compared (see :func:`_compare_alone`)."""
-    if n_train < 2:
-        return
     with torch.no_grad():
         _compare_alone(losses_of, probe_indices(n_train, micro_batch_size), device, _tolerance(dtype, 1e-4), what,
                        "loss")
@@ -1344,15 +1345,15 @@ class GradSampler:
         # hooked layer (batch statistics, say) would pass it
         dtype = working_dtype(self.params.values())
         check_examples_independent(losses_of, n_train, device, dtype, micro_batch_size, "per-example gradients")
-        if n_train >= 2:  # where the losses cannot show a mix (a zero head makes every loss log K), the
-            # head's gradient, which holds the mixed features, does
-            def norms(sel):
-                with torch.enable_grad(), self.capture(len(sel)):
-                    losses = losses_of(sel)
-                return self.contribution(losses).norms()
 
-            _compare_alone(norms, probe_indices(n_train, micro_batch_size), device, _tolerance(dtype, 1e-3),
-                           "per-example gradients", "gradient norm")
+        def norms(sel):  # where the losses cannot show a mix (a zero head makes every loss log K), the
+            # head's gradient, which holds the mixed features, does
+            with torch.enable_grad(), self.capture(len(sel)):
+                losses = losses_of(sel)
+            return self.contribution(losses).norms()
+
+        _compare_alone(norms, probe_indices(n_train, micro_batch_size), device, _tolerance(dtype, 1e-3),
+                       "per-example gradients", "gradient norm")
 
     def contribution(self, losses: torch.Tensor, cls: type | None = None, **extra) -> "HookContribution":
         """The lazy contribution of Σ_i loss_i (non-finite losses are masked out). Its backward runs

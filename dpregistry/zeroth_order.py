@@ -29,14 +29,15 @@ def central_differences(objective, indices: torch.Tensor, ctx, u: Direction, lam
     # and device of the others' (ranks all-gather them into one tensor).
     losses = objective.losses if len(indices) else \
         (lambda _: torch.zeros(0, dtype=acc_dtype(tensors[0].dtype), device=tensors[0].device))
-    if probe:
-        check_examples_independent(objective.losses, objective.n_train, ctx.device, working_dtype(tensors),
-                                   ctx.micro_batch_size)
+    def probe_here() -> None:
+        if probe:
+            check_examples_independent(objective.losses, objective.n_train, ctx.device, working_dtype(tensors),
+                                       ctx.micro_batch_size)
+
+    probe_here()
     u.add_(tensors, lam)
     ctx.displace(u, names, lam)
-    if probe:
-        check_examples_independent(objective.losses, objective.n_train, ctx.device, working_dtype(tensors),
-                                   ctx.micro_batch_size)
+    probe_here()
     plus = losses(indices)
     u.add_(tensors, -2 * lam)
     ctx.displace(u, names, -lam)
