@@ -128,31 +128,28 @@ def user_epsilon(epsilon_at: Callable[[float], float], k: int, delta: float, del
     e0, ok = at(hi)
     if ok:
         return k * e0
-    lo, step = None, 1.0
+    lo, best, step = None, None, 1.0
     while lo is None and hi - step > _LOG_TINY:
         x = hi - step
         e0, ok = at(x)
         if ok:
-            lo = x
-        elif math.isinf(e0):
-            finite = hi  # the boundary where ε₀ turns inf lies in (x, hi]
-            while finite - x > 1e-3:
+            lo, best = x, e0
+        elif math.isinf(e0):  # ε₀ turns inf in (x, hi]: a valid δ₀, if any, lies just above that boundary
+            finite = hi
+            while lo is None and finite - x > 1e-3:
                 mid = (x + finite) / 2
                 e_mid, ok = at(mid)
                 if ok:
-                    lo = mid
-                    break
-                x, finite = (x, mid) if math.isfinite(e_mid) else (mid, finite)
-            else:
-                e0, ok = at(finite)
-                lo = finite if ok else None
-            if lo is None:
-                return math.inf
+                    lo, best = mid, e_mid
+                elif math.isfinite(e_mid):
+                    finite = mid
+                else:
+                    x = mid
+            break
         else:
             hi, step = x, 2 * step
     if lo is None:
         return math.inf
-    best = at(lo)[0]
     while hi - lo > 1e-3:  # the largest valid δ₀, to 0.1 % (ε₀ moves far less)
         mid = (lo + hi) / 2
         e0, ok = at(mid)
