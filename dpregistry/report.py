@@ -266,7 +266,7 @@ def write_report(run_dir: Path) -> list[Path]:
 
     loss = ("training loss", *_series(rows, "loss"))
     eval_series = _eval_series(rows, summary)
-    eps = ("ε spent", *_epsilon_series(rows, rep))
+    eps = ("ε spent", *_epsilon_series(rep))
     target = rep["target_epsilon"]
     eps_limit = {"ε spent": target} if isinstance(target, (int, float)) and math.isfinite(target) else None
     figure("overview.png", "Overview: training loss, held-out metric and ε spent against steps",
@@ -364,14 +364,12 @@ def _main_metric(eval_series: list[Series]) -> list[Series]:
     return ordered[:1]
 
 
-def _epsilon_series(rows: list[dict[str, Any]], rep: dict[str, Any]) -> tuple[list, list]:
-    """ε after each logged step, from 0 before the first step to the newest checkpoint's ledger."""
-    xs, ys = _series(rows, "epsilon")
-    if rep["epsilon"] is not None:  # nothing is spent before the first step
-        xs, ys = [0] + xs, [0.0] + ys
-    if rep["epsilon"] is not None and xs[-1] != rep["step"]:
-        xs, ys = xs + [rep["step"]], ys + [rep["epsilon"]]
-    return xs, ys
+def _epsilon_series(rep: dict[str, Any]) -> tuple[list, list]:
+    """ε against steps, recomputed from the ledger (0 before the first step): metrics.jsonl's ε
+    rows are neither checksummed nor recomputed, and folders from older versions hold values
+    that later fixes corrected."""
+    curve = rep["epsilon_over_steps"]
+    return ([0] + [k for k, _ in curve], [0.0] + [v for _, v in curve]) if curve else ([], [])
 
 
 def _recipe_hash(run_dir: Path) -> str:

@@ -256,3 +256,24 @@ def test_a_reproducible_runs_plots_say_their_epsilon_is_no_guarantee(tmp_path, f
     reproducible, secure = titles("reproducible"), titles("secure")
     assert said in reproducible["epsilon.png"] and said in reproducible["overview.png"]
     assert not any(said in t for t in secure.values())
+
+
+def test_the_epsilon_plot_is_recomputed_from_the_ledger_not_read_from_metrics(finished, figures, tmp_path):
+    """The ε curves read metrics.jsonl, which has no checksum and which folders made before a fix keep
+    (an ELS run's rows understated ε): rows scaled down by 10 were drawn as they stood."""
+    import shutil
+
+    out, _ = finished
+    edited = tmp_path / "edited"
+    shutil.copytree(out, edited)
+    rows = [json.loads(x) for x in (edited / "metrics.jsonl").read_text().splitlines()]
+    assert any("epsilon" in r for r in rows)
+    (edited / "metrics.jsonl").write_text("".join(
+        json.dumps({**r, "epsilon": r["epsilon"] / 10} if "epsilon" in r else r) + "\n" for r in rows))
+    expected = dict(privacy_report(out, plot=False)["epsilon_over_steps"])
+    figs = figures(edited)
+    for ax in (figs["overview.png"].axes[2], figs["epsilon.png"].axes[0]):
+        (curve,) = [ln for ln in ax.get_lines() if not ln.get_label().startswith("target")]
+        drawn = dict(zip(curve.get_xdata()[1:], curve.get_ydata()[1:]))
+        assert drawn == pytest.approx(expected, rel=1e-12) and max(drawn) == 12
+        assert drawn[12] == pytest.approx(json.loads((out / "summary.json").read_text())["epsilon"], rel=1e-6)
