@@ -132,3 +132,10 @@ def setup_probes(monkeypatch) -> list:
 
     monkeypatch.setattr(GradSampler, "check_model", check_model)
     return probing
+
+
+def held_out_tsv(tsv: str) -> str:
+    """Held-out rows for a TSV's training rows: "the " before each text (a run refuses a held-out
+    set of training texts)."""
+    head, *rows = tsv.splitlines(keepends=True)
+    return head + "".join("the " + r for r in rows)

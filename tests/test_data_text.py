@@ -16,19 +16,48 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import RECIPES, SST2_SUBSET, make_run
+from conftest import RECIPES, SST2_SUBSET, held_out_tsv, make_run
 from dpregistry.users import UserIds
 
 HUB_ID = "stanfordnlp/sst2"
 NO_LABEL = -1  # what GLUE's test split holds instead of a label
 
 
-def held_out(folder: Path, name: str) -> str:
-    """A copy of the file ``name`` to name as data.test (a run refuses its training file there)."""
-    import shutil
+def held_out(folder: Path, name: str, header: bool = True) -> str:
+    """A held-out file beside ``name``, to name as data.test: its rows with "held out: " before
+    each text (column "sentence", or the first without a header). A run refuses its training file
+    there, and a held-out set whose texts are mostly training texts."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    (shutil.copytree if (folder / name).is_dir() else shutil.copy)(folder / name, folder / f"held_out_{name}")
-    return f"held_out_{name}"
+    src, dst = folder / name, folder / f"held_out_{name}"
+    mark = "held out: ".__add__
+    if src.is_dir():
+        datasets.load_from_disk(str(src)).map(lambda r: {"sentence": mark(r["sentence"])}).save_to_disk(dst)
+    elif src.suffix == ".parquet":
+        t = pq.read_table(src)
+        if "sentence" in t.column_names:
+            t = t.set_column(t.column_names.index("sentence"), "sentence",
+                             pa.array([None if x is None else mark(x) for x in t.column("sentence").to_pylist()]))
+        pq.write_table(t, dst)
+    elif src.suffix == ".jsonl":
+        rows = [json.loads(x) for x in src.read_text().splitlines()]
+        dst.write_text("".join(json.dumps({**r, "sentence": mark(r["sentence"])}) + "\n" for r in rows))
+    else:  # TSV (tab-separated, no quoting) or CSV
+        with open(src, encoding="utf-8", newline="") as f:
+            rows = list(csv.reader(f)) if src.suffix == ".csv" else [x.split("\t") if x else [] for x in
+                                                                     f.read().split("\n")]
+        at = 0 if not header else rows[0].index("sentence") if "sentence" in rows[0] else None
+        for r in rows[1 if header else 0:]:
+            if at is not None and r:
+                r[at] = mark(r[at])
+        with open(dst, "w", encoding="utf-8", newline="") as f:
+            if src.suffix == ".csv":
+                csv.writer(f).writerows(rows)
+            else:
+                f.write("\n".join("\t".join(r) for r in rows))
+    return dst.name
 
 
 def sst2_rows(name: str) -> list[tuple[str, str]]:
@@ -243,7 +272,8 @@ def test_every_format_and_header_layout_reads_the_same_examples(tmp_path):
     assert any('"' in s or "," in s for s, _ in rows)  # the CSV really quotes
     want = TextData(path=str(SST2_SUBSET), labels=["0", "1"], k_per_class=16, seed=5).load()[0]
     for name, keys in layouts.items():
-        keys = {"path": str(tmp_path), "test": held_out(tmp_path, keys["train"]), "labels": ["0", "1"], **keys}
+        test = held_out(tmp_path, keys["train"], keys.get("header", True))
+        keys = {"path": str(tmp_path), "test": test, "labels": ["0", "1"], **keys}
         train, test = TextData(**keys).load()
         assert table_rows(train) == [((s,), y) for s, y in rows], name
         shot = TextData(**keys, k_per_class=16, seed=5).load()[0]
@@ -257,7 +287,8 @@ def test_a_first_line_that_looks_like_data_gets_the_hint(tmp_path):
     write_formats(tmp_path, sst2_rows("train.tsv")[:40])
     for keys in ({}, {"text": 0, "label": 1}):
         with pytest.raises(UserError, match=r"bare\.tsv:1: .*the first line looks like data; set data.header: false"):
-            TextData(path=str(tmp_path), train="bare.tsv", test=held_out(tmp_path, "bare.tsv"), **keys).load()
+            TextData(path=str(tmp_path), train="bare.tsv", test=held_out(tmp_path, "bare.tsv", header=False),
+                     **keys).load()
     # a real header whose names are not the recipe's is not taken for data
     (tmp_path / "named.tsv").write_text("review\tstars\ngood\t1\nbad\t0\n")
     with pytest.raises(UserError, match=r"named\.tsv:1: column 'sentence' is missing \(columns: review, stars\)$"):
@@ -355,9 +386,9 @@ def test_descriptions_never_pair_with_a_guessed_label_order(tmp_path):
 
     folder = tmp_path / "news"
     folder.mkdir()
-    rows = "".join(f"{t}\t{y}\n" for y in NEWS for t in HEADLINES[y])
-    for name in ("train.tsv", "test.tsv"):
-        (folder / name).write_text("title\tlabel\n" + rows)
+    rows = "title\tlabel\n" + "".join(f"{t}\t{y}\n" for y in NEWS for t in HEADLINES[y])
+    (folder / "train.tsv").write_text(rows)
+    (folder / "test.tsv").write_text(held_out_tsv(rows))
     with pytest.raises(UserError, match=r"objective\.data\.labels: model\.label_descriptions pairs with the labels by "
                                          r"position.*labels found: Business, Sci/Tech, Sports, World") as e:
         make_run(news_recipe(folder), tmp_path)
@@ -392,7 +423,8 @@ def test_a_class_label_gives_the_order_and_data_labels_may_reorder_it(tmp_path):
     ds = datasets.Dataset.from_dict({"title": titles, "label": [NEWS.index(y) for y in NEWS for _ in HEADLINES[y]]},
                                     features=datasets.Features({"title": datasets.Value("string"),
                                                                 "label": datasets.ClassLabel(names=NEWS)}))
-    datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(tmp_path / "news")
+    held = ds.map(lambda r: {"title": "the " + r["title"]})
+    datasets.DatasetDict({"train": ds, "test": held}).save_to_disk(tmp_path / "news")
     pairs = ("model.label_descriptions", NEWS_DESCRIPTIONS)
     train, _ = TextData(path=str(tmp_path / "news"), text="title").load(pairs=pairs)
     assert train.label_names == NEWS and [NEWS[y] for y in train.labels] == [y for y in NEWS for _ in HEADLINES[y]]
@@ -538,7 +570,8 @@ def test_a_user_column_of_any_format_numbers_users_in_order_of_first_appearance(
     want = first_appearance([speaker_of(i) for i in range(len(rows))])
     assert sorted(set(want)) == list(range(7)) and want[:3] == [0, 1, 2]
     for name, keys in write_user_formats(tmp_path, rows).items():
-        keys = {"path": str(tmp_path), "test": held_out(tmp_path, keys["train"]), "labels": ["0", "1"],
+        test = held_out(tmp_path, keys["train"], keys.get("header", True))
+        keys = {"path": str(tmp_path), "test": test, "labels": ["0", "1"],
                 "user": "speaker", **keys}
         train, test = TextData(**keys).load()
         assert train.users.dtype == np.int64 and train.users.tolist() == want, name
@@ -635,7 +668,8 @@ def test_a_user_level_text_run_without_users_is_told_to_set_data_user(tmp_path):
         make_run(user_recipe(tmp_path, {"name": "poisson", "batch_size": 8}, user="speaker"), tmp_path)
     # rows_per_user: synthetic users, 40 rows // 5 = 8 users
     run = make_run(user_recipe(tmp_path, {"name": "user_poisson", "users_per_step": 3}, train="bare.tsv",
-                               test=held_out(tmp_path, "bare.tsv"), header=False, text=0, label=1, rows_per_user=5),
+                               test=held_out(tmp_path, "bare.tsv", header=False), header=False, text=0, label=1,
+                               rows_per_user=5),
                    tmp_path)
     assert run.users.n_users == 8 and run.objective.provide(UserIds).ids.tolist() == [r // 5 for r in range(40)]
 
@@ -649,7 +683,7 @@ def test_the_label_set_comes_from_public_sources_never_from_the_training_rows(tm
     from dpregistry.errors import UserError
 
     rows = "".join(f"a {w} film\t{y}\n" for w, y in [("fine", "pos"), ("dull", "neg")] * 4)
-    (tmp_path / "test.tsv").write_text("sentence\tlabel\n" + rows)
+    (tmp_path / "test.tsv").write_text(held_out_tsv("sentence\tlabel\n" + rows))
     (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + rows)
     train, test = TextData(path=str(tmp_path)).load()
     assert train.label_names == test.label_names == ["neg", "pos"]
@@ -689,7 +723,7 @@ def test_image_classes_come_from_the_held_out_split(tmp_path):
 def test_the_training_file_or_split_is_refused_as_held_out_data(tmp_path):
     """Held-out metrics on the training rows measure those rows (a review told a canary apart 16
     times in 16 at ε = 1): data.test naming the training file (by any path, or a hard link) or
-    split is refused; a copy is not detected."""
+    split is refused; so is a copy (test_a_held_out_set_of_training_texts_is_refused)."""
     from dpregistry.data import TextData
     from dpregistry.errors import UserError
 
@@ -701,3 +735,40 @@ def test_the_training_file_or_split_is_refused_as_held_out_data(tmp_path):
             TextData(path=str(tmp_path), train="a.tsv", test=test).load()
         assert e.value.key == "data.test"
     assert len(TextData(path=str(tmp_path), train="a.tsv", test=held_out(tmp_path, "a.tsv")).load()[1]) == 2
+
+
+def test_a_held_out_set_of_training_texts_is_refused(tmp_path):
+    """A copy of the training file passed the same-file check (its metrics, computed without
+    noise, are on the private rows): a held-out set is refused when half or more of its examples
+    have a training example's text, counted over the whole training file (a few-shot draw keeps
+    few of a copy's rows); a data set's own few duplicates are said, not refused."""
+    import shutil
+
+    from dpregistry.data import TextData
+    from dpregistry.errors import UserError
+    from dpregistry.progress import saying
+
+    rows = sst2_rows("train.tsv")
+    shutil.copy(SST2_SUBSET / "train.tsv", tmp_path / "copy.tsv")
+    half = rows[:50] + [(f"held out {i}", y) for i, (_, y) in enumerate(rows[:50])]
+    (tmp_path / "half.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in half))
+    for test, keys in (("copy.tsv", {}), ("copy.tsv", {"k_per_class": 8, "max_test": 100}), ("half.tsv", {})):
+        with pytest.raises(UserError, match=r"^data.test: (1024|100|50) of the (1024|100) held-out examples in "
+                                            r".* have the text of a training example") as e:
+            TextData(path=str(SST2_SUBSET), test=str(tmp_path / test), **keys).load()
+        assert e.value.key == "data.test"
+    # one duplicate of a drawn training example among 99 new texts: accepted, and said
+    train = TextData(path=str(SST2_SUBSET), k_per_class=8, seed=1).load()[0]
+    (drawn,), label = train.fields([0])[0], train.label_names[train.labels[0]]
+    few = [(drawn, label)] + [(f"held out {i}", str(i % 2)) for i in range(99)]
+    (tmp_path / "few.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in few))
+    said: list[str] = []
+    with saying(said.append):
+        _, test = TextData(path=str(SST2_SUBSET), test=str(tmp_path / "few.tsv"), k_per_class=8, seed=1).load()
+    assert len(test) == 100
+    assert said == ["1 of the 100 held-out examples have the text of a training example: the metrics on them are "
+                    "not covered by the privacy guarantee"]
+    said.clear()
+    with saying(said.append):  # the shipped held-out split shares no text with the training split
+        TextData(path=str(SST2_SUBSET), k_per_class=8, seed=1).load()
+    assert said == []

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from conftest import RECIPES, make_run
+from conftest import RECIPES, held_out_tsv, make_run
 
 SENTENCES = [("a gripping , beautifully made film", 1), ("dull", 0), ("it never finds its footing and the "
              "jokes fall flat again and again", 0), ("wonderful", 1), ("an utterly charming and moving story of "
@@ -33,7 +33,7 @@ def tiny(tmp_path_factory):
     data.mkdir()
     rows = "sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in SENTENCES)
     (data / "train.tsv").write_text(rows)
-    (data / "test.tsv").write_text(rows)
+    (data / "test.tsv").write_text(held_out_tsv(rows))
     return root
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dpregistry
-from conftest import SST2_SUBSET
+from conftest import SST2_SUBSET, held_out_tsv
 from test_core_cli import dpreg
 
 MINILM = {"seed": 0, "algorithm": "dp_adam", "description": "MiniLM at (1, 1e-5)-DP",  # stale, as after --set
@@ -341,7 +341,7 @@ def lms(tmp_path_factory):
     (root / "data").mkdir()
     rows = "sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in SENTENCES)
     (root / "data" / "train.tsv").write_text(rows)
-    (root / "data" / "test.tsv").write_text(rows)
+    (root / "data" / "test.tsv").write_text(held_out_tsv(rows))
     return root
 
 
@@ -362,6 +362,7 @@ def label_logits(model, tokenizer, objective) -> torch.Tensor:
     out = []
     with torch.no_grad():
         for s, _ in SENTENCES:
+            s = "the " + s  # the held-out text (conftest.held_out_tsv)
             prompt = (objective.cfg.prompt.template or objective.default_template)
             batch = tokenizer(prompt.replace("{mask}", tokenizer.mask_token).format(sentence=s), return_tensors="pt")
             ids = batch["input_ids"][0]

@@ -257,6 +257,24 @@ def _same_source(a: Source, b: Source) -> bool:
         return False
 
 
+def _texts(table: "TextTable"):
+    """One Arrow string per example, its text fields joined: the key two tables are compared by."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    whole = table.rows.with_format("arrow")[:]
+    columns = [pc.cast(whole.column(c), pa.large_string()) for c in table.columns]
+    joined = columns[0] if len(columns) == 1 else pc.binary_join_element_wise(*columns, "\x1f")
+    return joined if table.index is None else joined.take(pa.array(table.index))
+
+
+def shared_texts(test: "TextTable", train: "TextTable") -> int:
+    """How many examples of ``test`` have the text of some example of ``train``."""
+    import pyarrow.compute as pc
+
+    return int(pc.sum(pc.is_in(_texts(test), value_set=pc.unique(_texts(train)))).as_py() or 0)
+
+
 class TextTable:
     """Examples of a text data set: their label indices as one array, their text fields read from
     the memory-mapped Arrow table only for the examples asked for.
@@ -639,11 +657,26 @@ class TextData(BaseModel):
                            declared=labels is not None)
         if pairs is not None:
             _pair(train.label_names, *pairs)
-        if self.k_per_class:
-            train = k_shot(train, self.k_per_class, self.seed)
         if self.max_test:
             test = test.select(range(min(self.max_test, len(test))))
+        _check_held_out(test, train, test_src)
+        if self.k_per_class:
+            train = k_shot(train, self.k_per_class, self.seed)
+        if shared := shared_texts(test, train):  # a data set's own duplicates: said, not refused
+            say(f"{shared} of the {len(test)} held-out examples have the text of a training example: the metrics "
+                f"on them are not covered by the privacy guarantee")
         return train, test
+
+
+def _check_held_out(test: TextTable, train: TextTable, source: Source) -> None:
+    """Refuse a held-out set that is mostly training data: a copy of the training file passes the
+    same-file check, and its metrics, computed without noise, would be on the private rows."""
+    shared = shared_texts(test, train)
+    if 2 * shared >= len(test):
+        raise UserError(f"{shared} of the {len(test)} held-out examples in {source} have the text of a training "
+                        f"example: held-out metrics computed on training data measure the private examples "
+                        f"themselves, which the guarantee does not cover; name a held-out file or split",
+                        key="data.test")
 
 
 def user_ids(train: TextTable):
