@@ -66,18 +66,25 @@ class UserGroups:
 
 def bound_contributions(user_ids: torch.Tensor, k: int, seed: int) -> UserGroups:
     """At most ``k`` records per user, chosen uniformly at random with public randomness: a
-    function of the seed and the user ids alone (never of the labels or texts)."""
+    function of the seed and the user ids alone (never of the labels or texts). Which of a user's
+    records are kept depends on the seed and on that user's own records alone (how many, in which
+    order), so adding, removing or replacing one user changes no other user's selection: the
+    sensitivity argument needs that (one random order of all records made every user's selection
+    depend on n, and a neighbouring data set changed them all)."""
     ids = torch.as_tensor(user_ids, dtype=torch.int64)
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(ids), generator=g)             # a public random order of the records
-    users, inverse = torch.unique(ids, return_inverse=True)   # users in sorted order
-    by_user = torch.argsort(inverse[order], stable=True)      # grouped by user, random within each
-    records = order[by_user]
-    counts = torch.bincount(inverse, minlength=len(users))
+    _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)  # users in sorted order
+    records = torch.argsort(inverse, stable=True)              # grouped by user, in file order within each
     starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(len(ids)) - torch.repeat_interleave(starts, counts)
-    keep = rank < k
-    members = records[keep]
+    count = torch.repeat_interleave(counts, counts)            # each record's user's number of records
+    position = torch.arange(len(ids)) - torch.repeat_interleave(starts, counts)  # its place among them
+    rank = position.clone()
+    for c in counts[counts > k].unique().tolist():             # one random order of c records per count
+        key = hashlib.sha256(f"{seed}/{c}".encode()).digest()[:8]
+        g = torch.Generator().manual_seed(int.from_bytes(key, "big"))
+        order_of = torch.argsort(torch.randperm(c, generator=g))
+        at = count == c
+        rank[at] = order_of[position[at]]
+    members = records[rank < k]
     kept = counts.clamp(max=k)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
     return UserGroups(members, offsets, k)

@@ -61,6 +61,35 @@ def test_the_selection_is_public_bounded_and_blind_to_the_data():
     assert bool((hits[p == 1] == 300).all())
 
 
+def test_a_neighbouring_data_set_changes_no_other_users_selection():
+    """The selection was one random order of all n records, so a data set with one user added,
+    removed or replaced (n changes) kept other records for every other user (a review: 49 of 49)
+    and the released sum moved by far more than one user's contribution. Each user's kept records
+    are now a function of the seed and that user's own records."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 50, (500,), generator=g)
+
+    def kept(ids: torch.Tensor, names: list[str]) -> dict[str, set[str]]:  # user -> its kept records, by name
+        sel = bound_contributions(ids, 3, seed=11)
+        users = ids.unique().tolist()
+        return {f"user {users[u]}": {names[i] for i in sel.members[sel.offsets[u]:sel.offsets[u + 1]].tolist()}
+                for u in range(sel.n_users)}
+
+    names = [f"record {i}" for i in range(len(ids))]
+    base = kept(ids, names)
+    mine = ids == 0
+    neighbours = {  # user 0 removed; given one more record (first in the file); replaced by a user of 4 records
+        "removed": (ids[~mine], [n for n, m in zip(names, mine.tolist()) if not m]),
+        "added a record": (torch.cat([torch.tensor([0]), ids]), ["new"] + names),
+        "replaced": (torch.cat([ids[~mine], torch.zeros(4, dtype=torch.int64)]),
+                     [n for n, m in zip(names, mine.tolist()) if not m] + [f"new {i}" for i in range(4)]),
+    }
+    for what, (other_ids, other_names) in neighbours.items():
+        other = kept(other_ids, other_names)
+        changed = [u for u in base if u != "user 0" and base[u] != other[u]]
+        assert changed == [], (what, changed)
+
+
 # -- group norms equal autograd, and a user moves the clipped sum by at most C ---------------------
 
 
