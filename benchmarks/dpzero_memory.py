@@ -51,7 +51,7 @@ def _data_dir(args) -> str:
     d = Path(tempfile.mkdtemp())
     rows = "sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(SENTENCES * 20))
     (d / "train.tsv").write_text(rows)
-    (d / "test.tsv").write_text(rows)
+    (d / "test.tsv").write_text("sentence\tlabel\n" + "".join(f"the {s}\t{i % 2}\n" for i, s in enumerate(SENTENCES)))
     return str(d)
 
 

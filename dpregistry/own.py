@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from .digest import data_digest
 from .errors import UserError
 from .objectives import TorchObjective
 from .progress import track
@@ -148,6 +149,7 @@ class OwnObjective(TorchObjective):
                             "training examples themselves, which the guarantee does not cover; pass data the model "
                             "does not train on", key="eval_data")
         self.n_train = len(self.train_data)
+        self._fingerprint = data_digest(self.n_train, self.train_data.__getitem__)
         self.collate = default_collate
         self.model = o.model.to(ctx.device)
 
@@ -180,6 +182,9 @@ class OwnObjective(TorchObjective):
         return losses
 
     @torch.no_grad()
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
     def evaluate(self):
         if self.eval_data is None:
             return {}

@@ -11,6 +11,8 @@ them down.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Callable
 
 import torch
@@ -248,12 +250,28 @@ class Run:
         if self.rng.noise_mode == "secure":
             self.rng = RunRNG(self.recipe.seed, "secure", key=self.comm.broadcast_object(self.rng.key))
 
+    def _check_ranks_share_the_data(self) -> None:
+        """Every rank loads the whole training set: the ranks draw one batch and each computes its
+        share of it by index, so a rank with its own shard (the usual habit of data-parallel
+        training) would sum other records at a sampling rate the ledger never saw."""
+        if self.comm.world_size == 1:
+            return
+        first = self.comm.broadcast_object(self.data_record)
+        differs = first != self.data_record
+        if self.comm.any_flag(differs):
+            mine = f"rank {self.comm.rank}: {_describe_data(self.data_record)}; " if differs else ""
+            raise UserError(f"the ranks hold different training data ({mine}rank 0: {_describe_data(first)}"
+                            f"{'' if differs else '; another rank differs'}); give every rank the whole training "
+                            f"set, in the same order: the run samples and shares out each batch", key="data")
+
     def _prepare_stages(self) -> None:
         self._section = "objective"
         self.objective.setup(self.context())
         self._section = None
         if self.objective.n_train <= 0:
             raise UserError("the training data set is empty", file=self.recipe.source, key="data")
+        self.data_record = {"n_train": self.objective.n_train, "digest": self.objective.fingerprint()}
+        self._check_ranks_share_the_data()
         if self.unit == "user":
             self._bind_users()
         n, d = self.n_units, self.target.delta
@@ -438,7 +456,7 @@ class Run:
                 "noise": {"mode": self.rng.noise_mode, "key_fingerprint": self.rng.noise_fingerprint},
                 "nonfinite_steps": self.nonfinite_steps,
                 "log_window": [{k: v for k, v in m.items() if isinstance(v, (int, float))} for m in self.log_window],
-                "ledger": self.accountant.ledger.to_json()}
+                "ledger": self.accountant.ledger.to_json(), "data": self.data_record}
         return tensors, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -455,6 +473,12 @@ class Run:
         if noise.get("key_fingerprint") != self.rng.noise_fingerprint:
             raise UserError("the run's privacy noise was keyed: set DPREG_NOISE_KEY to the same secret key to "
                             "resume it (a different key would change the noise of the remaining steps)")
+        saved = meta.get("data")  # (older checkpoints hold none)
+        if saved is not None and saved != self.data_record:
+            raise UserError(f"the training data is not the data of the checkpoint's run (now "
+                            f"{_describe_data(self.data_record)}; then {_describe_data(saved)}): the ledger charged "
+                            f"its steps on that data, and a sampler that goes through the data in epochs or once "
+                            f"would reuse records it counts as unused; resume with the same data", key="data")
         with torch.no_grad():
             for k, v in self.params.items():
                 v.copy_(tensors[f"params/{k}"].to(v.device, v.dtype))
@@ -469,7 +493,28 @@ class Run:
         it = {k[len("iterate/"):]: v for k, v in tensors.items() if k.startswith("iterate/")}
         self.iterate_snapshot = it or None
         self._ctx = self.context()
+        self._check_ranks_resumed_alike()
         self.check_plan()  # the remaining plan must still fit on top of the restored ledger
+
+    def _check_ranks_resumed_alike(self) -> None:
+        """Ranks that restored different checkpoints (a stale copy of the run folder on one node)
+        would sum the batches of different steps under one ledger entry."""
+        if self.comm.world_size == 1:
+            return
+        mine = (self.step, hashlib.sha256(json.dumps(self.accountant.ledger.to_json(), sort_keys=True).encode())
+                .hexdigest())
+        first = self.comm.broadcast_object(mine)
+        differs = first != mine
+        if self.comm.any_flag(differs):
+            here = (f"rank {self.comm.rank}: step {mine[0]}{'' if first[0] != mine[0] else ', another ledger'}; "
+                    if differs else "")
+            raise UserError(f"the ranks resumed from different checkpoints ({here}rank 0: step {first[0]}"
+                            f"{'' if differs else '; another rank differs'}); every rank must read the same run "
+                            f"folder")
+
+
+def _describe_data(record: dict[str, Any]) -> str:
+    return f"{record['n_train']} records" + (f", digest {record['digest']}" if record.get("digest") else "")
 
 
 #: the layout of a checkpoint's metadata and stage state (format 2: stage states are the fields

@@ -187,6 +187,11 @@ class Objective(Stage):
         """Held-out metrics (the test split is not the private training data)."""
         return {}
 
+    def fingerprint(self) -> str | None:
+        """A digest of the training records (:func:`dpregistry.digest.data_digest`), or None: a
+        resume and every rank of a distributed run must see the same one (and the same n_train)."""
+        return None
+
     def export(self, folder: Path, *, merge: bool = False) -> "ModelExport":
         """Write the trained model into the empty ``folder`` as a Hugging Face model that computes
         exactly what this objective's model computes, and describe it (``dpreg export``; ``merge``:

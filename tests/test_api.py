@@ -99,7 +99,15 @@ def test_a_resumed_own_run_continues_the_ledger(tmp_path):
     b = dpregistry.train(RECIPE, model=model_b, loss=per_example, train_data=train_b, verbose=False,
                          out=tmp_path / "b")
     rewind(tmp_path / "b", 10)  # as a crash after step 10 would leave the folder
+    # other data is refused (a review resumed a shuffle run on 80 records after 40: records used
+    # 4 times were charged as 3 uses): more rows, fewer, or as many with one changed row near the end
     model_c, train_c, _ = own()
+    x, y = digits()
+    changed = train_c[:-1] + [(torch.zeros_like(train_c[-1][0]), train_c[-1][1])]
+    for other in (train_c + list(zip(x[1400:1410], y[1400:1410])), train_c[:-10], changed):
+        with pytest.raises(UserError, match=r"^data: the training data is not the data of the checkpoint's run "
+                                            r"\(now \d+ records, digest \w+; then 600 records"):
+            dpregistry.resume(tmp_path / "b", model=model_c, loss=per_example, train_data=other, verbose=False)
     c = dpregistry.resume(tmp_path / "b", model=model_c, loss=per_example, train_data=train_c, verbose=False)
     assert c.summary["step"] == 20 and c.ledger == straight.ledger == b.ledger
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model_c.parameters()))

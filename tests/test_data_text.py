@@ -738,37 +738,45 @@ def test_the_training_file_or_split_is_refused_as_held_out_data(tmp_path):
 
 
 def test_a_held_out_set_of_training_texts_is_refused(tmp_path):
-    """A copy of the training file passed the same-file check (its metrics, computed without
-    noise, are on the private rows): a held-out set is refused when half or more of its examples
-    have a training example's text, counted over the whole training file (a few-shot draw keeps
-    few of a copy's rows); a data set's own few duplicates are said, not refused."""
+    """A copy of the training file passed the same-file check, and held-out metrics are released
+    without noise (a review told a flipped training label from the step-0 accuracy of a held-out
+    copy). Refused: a held-out set half or more of whose examples have a training example's text,
+    over the whole training file (a few-shot draw keeps few of a copy's rows), also in capitals or
+    other spacing; and any held-out example with the text of a drawn training example."""
     import shutil
 
     from dpregistry.data import TextData
     from dpregistry.errors import UserError
-    from dpregistry.progress import saying
 
     rows = sst2_rows("train.tsv")
+
+    def write(name: str, rows) -> str:
+        (tmp_path / name).write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows))
+        return str(tmp_path / name)
+
     shutil.copy(SST2_SUBSET / "train.tsv", tmp_path / "copy.tsv")
     half = rows[:50] + [(f"held out {i}", y) for i, (_, y) in enumerate(rows[:50])]
-    (tmp_path / "half.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in half))
-    for test, keys in (("copy.tsv", {}), ("copy.tsv", {"k_per_class": 8, "max_test": 100}), ("half.tsv", {})):
-        with pytest.raises(UserError, match=r"^data.test: (1024|100|50) of the (1024|100) held-out examples in "
-                                            r".* have the text of a training example") as e:
-            TextData(path=str(SST2_SUBSET), test=str(tmp_path / test), **keys).load()
-        assert e.value.key == "data.test"
-    # one duplicate of a drawn training example among 99 new texts: accepted, and said
+    cases = {"copy": (str(tmp_path / "copy.tsv"), {}, 1024, 1024),
+             "a few-shot draw of a copy": (str(tmp_path / "copy.tsv"), {"k_per_class": 8, "max_test": 100}, 100, 100),
+             "half": (write("half.tsv", half), {}, 50, 100),
+             "in capitals": (write("upper.tsv", [(s.upper(), y) for s, y in rows[:100]]), {}, 100, 100),
+             "spaced": (write("spaced.tsv", [(" " + s.replace(" ", "  \u200b"), y) for s, y in rows[:100]]), {},
+                        100, 100)}
+    for what, (test, keys, shared, n) in cases.items():
+        with pytest.raises(UserError, match=rf"^data.test: {shared} of the {n} held-out examples in .* have the "
+                                            rf"text of a training example: .*name a held-out file or split$") as e:
+            TextData(path=str(SST2_SUBSET), test=test, **keys).load()
+        assert e.value.key == "data.test", what
+    # one held-out example with the text of a drawn training example among 99 new texts
     train = TextData(path=str(SST2_SUBSET), k_per_class=8, seed=1).load()[0]
     (drawn,), label = train.fields([0])[0], train.label_names[train.labels[0]]
-    few = [(drawn, label)] + [(f"held out {i}", str(i % 2)) for i in range(99)]
-    (tmp_path / "few.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in few))
-    said: list[str] = []
-    with saying(said.append):
-        _, test = TextData(path=str(SST2_SUBSET), test=str(tmp_path / "few.tsv"), k_per_class=8, seed=1).load()
-    assert len(test) == 100
-    assert said == ["1 of the 100 held-out examples have the text of a training example: the metrics on them are "
-                    "not covered by the privacy guarantee"]
-    said.clear()
-    with saying(said.append):  # the shipped held-out split shares no text with the training split
-        TextData(path=str(SST2_SUBSET), k_per_class=8, seed=1).load()
-    assert said == []
+    few = write("few.tsv", [(drawn.title(), label)] + [(f"held out {i}", str(i % 2)) for i in range(99)])
+    with pytest.raises(UserError, match=r"^data.test: 1 of the 100 held-out examples in .* have the text of a drawn "
+                                        r"training example .*remove them from the held-out data$"):
+        TextData(path=str(SST2_SUBSET), test=few, k_per_class=8, seed=1).load()
+    # a training text that was not drawn is held-out data; the shipped held-out split shares none
+    drawn_texts = {f.lower() for (f,) in train.fields(range(len(train)))}
+    other = next(s for s, _ in rows if s.lower() not in drawn_texts)
+    held = write("held.tsv", [(other, "1")] + [(f"held out {i}", str(i % 2)) for i in range(99)])
+    assert len(TextData(path=str(SST2_SUBSET), test=held, k_per_class=8, seed=1).load()[1]) == 100
+    assert len(TextData(path=str(SST2_SUBSET), k_per_class=8, seed=1).load()[1]) == 300

@@ -286,3 +286,56 @@ def test_a_refusal_on_rank_0_reaches_every_rank(runs, tmp_path):
     assert res.returncode != 0
     assert res.stderr.count("is using this folder") == 2, res.stderr[-3000:]  # one line from each rank
     assert "lost contact" not in res.stderr
+
+
+RANKS_DIFFER = """\
+import json, os, sys, torch, dpregistry
+from dpregistry.errors import UserError
+rank = int(os.environ["RANK"])
+said = []
+# a shard per rank, the usual data-parallel habit (same size, other rows)
+g = torch.Generator().manual_seed(rank)
+data = torch.utils.data.TensorDataset(torch.randn(200, 3, generator=g), torch.randint(0, 2, (200,), generator=g))
+recipe = {"algorithm": "dp_sgd", "sampler": {"batch_size": 10}, "update": {"lr": 0.01},
+          "privatizer": {"clip": 1.0, "noise_multiplier": 1.0}, "privacy": {"delta": 1e-4}, "train": {"steps": 3}}
+try:
+    dpregistry.train(recipe, model=torch.nn.Linear(3, 2), loss=torch.nn.CrossEntropyLoss(reduction="none"),
+                     train_data=data, verbose=False)
+except UserError as e:
+    said.append(str(e))
+# a stale copy of the run folder on rank 1
+try:
+    dpregistry.resume(sys.argv[1] if rank == 0 else sys.argv[2], verbose=False)
+except UserError as e:
+    said.append(str(e))
+open(f"{sys.argv[3]}/rank{rank}.json", "w").write(json.dumps(said))
+"""
+
+
+def test_ranks_with_other_data_or_another_checkpoint_are_refused(runs, tmp_path):
+    """Ranks compared only the recipe and the noise key: with a shard of its own on each rank (same
+    size), each summed other records at a rate the ledger never saw (a review: a record used at
+    0.039 a step under a q of 0.01); ranks that read different checkpoints (a stale folder on one
+    node) summed the batches of different steps. Both are refused before any step, on every rank."""
+    _, out = runs
+    fresh, stale = tmp_path / "fresh", tmp_path / "stale"
+    shutil.copytree(out["zo", 2], fresh)
+    shutil.copytree(out["zo", 2], stale)
+    rewind(fresh, 15)
+    rewind(stale, 10)
+    script = tmp_path / "differ.py"
+    script.write_text(RANKS_DIFFER)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(script), str(fresh), str(stale), str(tmp_path)], capture_output=True, text=True,
+                         env=ENV, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for data, resumed in said:
+        assert data.startswith("<recipe>: data: the ranks hold different training data (") and "200 records" in data
+        assert resumed.startswith("the ranks resumed from different checkpoints (")
+    assert sorted(x[1] for x in said) == [
+        "the ranks resumed from different checkpoints (rank 0: step 15; another rank differs); every rank must "
+        "read the same run folder",
+        "the ranks resumed from different checkpoints (rank 1: step 10; rank 0: step 15); every rank must read the "
+        "same run folder"]
+    assert json.loads((fresh / "ledger.jsonl").read_text().splitlines()[-1])["step"] <= 15  # no step taken

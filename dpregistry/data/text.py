@@ -258,18 +258,25 @@ def _same_source(a: Source, b: Source) -> bool:
 
 
 def _texts(table: "TextTable"):
-    """One Arrow string per example, its text fields joined: the key two tables are compared by."""
+    """One Arrow string per example, its text fields joined and put in one form (Unicode NFKC,
+    lower case, no zero-width characters, single spaces): the key two tables are compared by, so
+    that a held-out copy in capitals or with other spacing reads as the same text (a tokenizer
+    that lowercases gives it the same tokens)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     whole = table.rows.with_format("arrow")[:]
     columns = [pc.cast(whole.column(c), pa.large_string()) for c in table.columns]
     joined = columns[0] if len(columns) == 1 else pc.binary_join_element_wise(*columns, "\x1f")
+    joined = pc.utf8_lower(pc.utf8_normalize(joined, form="NFKC"))
+    joined = pc.replace_substring_regex(joined, pattern="[\u200b-\u200d\u2060\ufeff]", replacement="")
+    joined = pc.utf8_trim_whitespace(pc.replace_substring_regex(joined, pattern="\\s+", replacement=" "))
     return joined if table.index is None else joined.take(pa.array(table.index))
 
 
 def shared_texts(test: "TextTable", train: "TextTable") -> int:
-    """How many examples of ``test`` have the text of some example of ``train``."""
+    """How many examples of ``test`` have the text of some example of ``train`` (in the form of
+    :func:`_texts`)."""
     import pyarrow.compute as pc
 
     return int(pc.sum(pc.is_in(_texts(test), value_set=pc.unique(_texts(train)))).as_py() or 0)
@@ -304,6 +311,12 @@ class TextTable:
         rows = idx if self.index is None else [int(self.index[i]) for i in idx]
         got = self.rows[rows]
         return list(zip(*(map(str, got[c]) for c in self.columns)))
+
+    def digest(self) -> str:
+        """:func:`dpregistry.digest.data_digest` of the examples (text fields and label)."""
+        from ..digest import data_digest
+
+        return data_digest(len(self), lambda i: (self.fields([i])[0], self.label_names[self.labels[i]]))
 
     def select(self, positions: Sequence[int] | np.ndarray) -> "TextTable":
         """The examples at ``positions``, in that order."""
@@ -659,23 +672,29 @@ class TextData(BaseModel):
             _pair(train.label_names, *pairs)
         if self.max_test:
             test = test.select(range(min(self.max_test, len(test))))
-        _check_held_out(test, train, test_src)
+        whole = train
         if self.k_per_class:
             train = k_shot(train, self.k_per_class, self.seed)
-        if shared := shared_texts(test, train):  # a data set's own duplicates: said, not refused
-            say(f"{shared} of the {len(test)} held-out examples have the text of a training example: the metrics "
-                f"on them are not covered by the privacy guarantee")
+        _check_held_out(test, whole, train, test_src)
         return train, test
 
 
-def _check_held_out(test: TextTable, train: TextTable, source: Source) -> None:
-    """Refuse a held-out set that is mostly training data: a copy of the training file passes the
-    same-file check, and its metrics, computed without noise, would be on the private rows."""
-    shared = shared_texts(test, train)
-    if 2 * shared >= len(test):
-        raise UserError(f"{shared} of the {len(test)} held-out examples in {source} have the text of a training "
-                        f"example: held-out metrics computed on training data measure the private examples "
-                        f"themselves, which the guarantee does not cover; name a held-out file or split",
+def _check_held_out(test: TextTable, whole: TextTable, train: TextTable, source: Source) -> None:
+    """Refuse held-out examples that are training examples: held-out metrics are released as
+    measured, without noise, so on a training example they tell about it (a review told a flipped
+    label from the step-0 accuracy alone). Half or more of the held-out set in the whole training
+    file is a copy of it (passing the same-file check); any in the drawn training set is refused
+    too, and the message says to remove them."""
+    copied = shared_texts(test, whole)
+    drawn = copied if train is whole else shared_texts(test, train)
+    if 2 * copied >= len(test) or drawn:
+        what = (f"{copied} of the {len(test)} held-out examples in {source} have the text of a training example"
+                if 2 * copied >= len(test) else
+                f"{drawn} of the {len(test)} held-out examples in {source} have the text of a drawn training example "
+                f"(compared in Unicode NFKC, lower case, with single spaces)")
+        fix = "name a held-out file or split" if 2 * copied >= len(test) else "remove them from the held-out data"
+        raise UserError(f"{what}: held-out metrics are released as measured, without noise, and on training examples "
+                        f"they measure the private examples themselves, which the guarantee does not cover; {fix}",
                         key="data.test")
 
 

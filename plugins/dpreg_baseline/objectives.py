@@ -186,6 +186,7 @@ class HFTextClassification(TorchObjective):
             else None
         train, test = p.data.load(pairs=pairs)
         self.n_train = len(train)
+        self._fingerprint = train.digest()
         self.label_names = train.label_names
         mdir = resolve_model_dir(p.model.path, need_weights=p.model.init == "pretrained")
         self.tokenizer = AutoTokenizer.from_pretrained(mdir)
@@ -297,6 +298,9 @@ class HFTextClassification(TorchObjective):
         else:
             logits = self._logits(*self._pad(self.train_tok.take(indices.tolist())))
         return F.cross_entropy(logits.float(), self.y_train[indices], reduction="none")
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 128):

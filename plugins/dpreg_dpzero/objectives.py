@@ -281,6 +281,7 @@ class PromptLM(TorchObjective):
         if len(set(self.word_ids.tolist())) != len(words):
             raise UserError("two label words map to the same token", key="objective.prompt.label_words")
         self.n_train = len(train)
+        self._fingerprint = train.digest()
         self.label_names = train.label_names
         self.cols = train.columns
         # prompts are encoded per batch from the memory-mapped rows; a set that fits the cache is
@@ -346,6 +347,9 @@ class PromptLM(TorchObjective):
     def batch_losses(self, indices):
         items = self.train_tok.take(indices.tolist())
         return F.cross_entropy(self.label_logits(items), self.y_train[indices], reduction="none")
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 32):
