@@ -126,6 +126,10 @@ def write_atomic(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, A
 def read(path: Path, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load a checkpoint written by :func:`write_atomic` (safetensors only: no pickle)."""
     try:
+        files.require_regular(path, "checkpoint")  # opening a FIFO would block
+    except UserError as e:
+        raise CorruptCheckpoint(f"{path}: {e.message}") from None
+    try:
         with safe_open(str(path), framework="pt") as f:
             raw = (f.metadata() or {}).get(META_KEY)
             tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -135,7 +139,7 @@ def read(path: Path, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict
         raise CorruptCheckpoint(f"{path}: not a dpregistry checkpoint (no metadata)")
     try:
         meta = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise CorruptCheckpoint(f"{path}: unreadable metadata") from None
     if not isinstance(meta, dict):
         raise CorruptCheckpoint(f"{path}: unreadable metadata")

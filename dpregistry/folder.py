@@ -20,10 +20,13 @@ import json
 import os
 import shutil
 import socket
+import stat
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from safetensors import safe_open
 
 from . import checkpoint as ckpt
 from . import files
@@ -140,10 +143,10 @@ def json_default(o):
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of a metrics.jsonl; a line torn by a kill mid-write (always the last) is skipped."""
     rows = []
-    for line in Path(path).read_text(errors="replace").splitlines():
+    for line in files.read_regular(path, "metrics file").decode(errors="replace").splitlines():
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(row, dict):
             rows.append(row)
@@ -157,8 +160,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 def _lock_info(path: Path) -> dict:
     try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError):
+        info = json.loads(files.read_regular(path, "lock file", limit=1 << 16))
+    except (OSError, ValueError, RecursionError, UserError):
         return {}
     return info if isinstance(info, dict) else {}
 
@@ -170,6 +173,16 @@ def _busy(out: Path, info: dict) -> UserError:
                      f"this folder; wait for it to finish or stop it first", file=str(out))
 
 
+def _open_lock(path: Path, flags: int) -> int:
+    """A descriptor of the lock file, refused unless it is a regular file (a FIFO would block the
+    open, and a lock on it would say nothing)."""
+    fd = os.open(path, flags | os.O_NONBLOCK, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError("not a regular file (the run folder's lock)", file=str(path))
+    return fd
+
+
 def lock_holder(out: Path) -> dict | None:
     """The lock record of the live process that holds ``out``, or None.
 
@@ -179,7 +192,7 @@ def lock_holder(out: Path) -> dict | None:
     if fcntl is None:  # pragma: no cover
         return None
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _open_lock(path, os.O_RDONLY)
     except OSError:
         return None
     try:
@@ -201,7 +214,7 @@ def run_lock(out: Path):
     path = Path(out) / LOCK
     try:
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock(path, os.O_RDWR | os.O_CREAT)
             if fcntl is None:  # pragma: no cover
                 break
             try:
@@ -347,8 +360,8 @@ def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int
     if not rpath.exists():
         raise not_a_run_folder(out_dir)
     try:
-        stored = json.loads(rpath.read_text())
-    except (OSError, ValueError):
+        stored = json.loads(files.read_regular(rpath, "recipe.json"))
+    except (OSError, ValueError, RecursionError):
         stored = None
     if not (isinstance(stored, dict) and isinstance(stored.get("recipe"), dict)
             and isinstance(stored.get("recipe_hash"), str)):
@@ -398,6 +411,37 @@ def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int
     return run
 
 
+def json_or_none(path: Path) -> Any:
+    """A JSON file's value; None when it is missing or does not parse (a non-regular file is refused)."""
+    if not path.exists():
+        return None
+    try:
+        return json.loads(files.read_regular(path, path.name))
+    except (ValueError, RecursionError):
+        return None
+
+
+def released_after(out: Path, step: int, rows: list[dict[str, Any]], summary: Any) -> str | None:
+    """What in the folder shows a release after ``step``, or None: the model written at the end,
+    the summary, or a held-out evaluation (each follows the checkpoint of its step, which
+    ledger.jsonl records, so with a valid ledger none is later than its newest line)."""
+    if isinstance(summary, dict) and isinstance(summary.get("step"), int) and summary["step"] > step:
+        return f"summary.json records step {summary['step']}"
+    model = out / "model.safetensors"
+    if model.exists():
+        files.require_regular(model, "model file")  # a FIFO would block the open
+        try:
+            with safe_open(str(model), framework="pt") as f:  # the metadata only
+                at = json.loads((f.metadata() or {}).get(ckpt.META_KEY, "{}")).get("step")
+        except Exception:  # unreadable: it shows nothing
+            at = None
+        if isinstance(at, int) and at > step:
+            return f"model.safetensors was written at step {at}"
+    evals = [r["step"] for r in rows if isinstance(r.get("step"), int) and r["step"] > step
+             and any(str(k).startswith("eval/") for k in r)]
+    return f"metrics.jsonl holds a held-out evaluation at step {max(evals)}" if evals else None
+
+
 def _check_ledger(run, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> bool:
     """The checkpoint's ledger must be what the ledger file recorded at its step, cover every step
     before it, and not be less than the ε the metrics logged; a secure run cannot go back; a keyed
@@ -430,11 +474,12 @@ def _check_ledger(run, tensors: dict[str, Any], meta: dict[str, Any], path: Path
                         f"{step}: with secure noise steps {step + 1}-{last['step']} cannot be replayed, and taking them "
                         f"again would release them twice; restore the newer checkpoint or start a new run", file=str(out))
     rows = read_rows(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
-    logged = [("metrics.jsonl", r) for r in rows]
-    try:
-        logged.append(("summary.json", json.loads((out / "summary.json").read_text())))
-    except (OSError, ValueError):
-        pass
+    summary = json_or_none(out / "summary.json")
+    if not run.rng.replayable and (later := released_after(out, step, rows, summary)):
+        raise UserError(f"{later}, after the newest valid checkpoint (step {step}), yet ledger.jsonl records no "
+                        f"charge after it (its last lines or that checkpoint were removed): with secure noise those "
+                        f"steps cannot be replayed, and taking them again would release them twice", file=str(out))
+    logged = [("metrics.jsonl", r) for r in rows] + ([("summary.json", summary)] if summary is not None else [])
     logged = [(name, r["step"], r["epsilon"]) for name, r in logged if isinstance(r, dict)
               and isinstance(r.get("step"), int) and r["step"] <= step and isinstance(r.get("epsilon"), (int, float))]
     if logged:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .files import read_regular
 
 NAME = "ledger.jsonl"
 GENESIS = "0" * 64
@@ -64,9 +65,7 @@ class LedgerFile:
             return self._lines
         out: list[dict[str, Any]] = []
         if self.path.exists():
-            if not self.path.is_file():
-                raise UserError("not a regular file", file=str(self.path))
-            raw = self.path.read_bytes()
+            raw = read_regular(self.path, "ledger file")
             complete = raw.split(b"\n")[:-1]  # text after the last newline is a torn append
             prev = GENESIS
             for i, line in enumerate(complete, 1):
@@ -75,7 +74,7 @@ class LedgerFile:
                     ok = (isinstance(rec, dict) and rec.get("prev") == prev and isinstance(rec.get("step"), int)
                           and isinstance(rec.get("entries"), list)
                           and rec.get("hash") == _digest(prev, rec["step"], rec["entries"], rec.get("state")))
-                except ValueError:
+                except (ValueError, RecursionError):  # (RecursionError: JSON nested too deep)
                     ok = False
                 if not ok:
                     raise UserError(f"line {i} does not chain to the line before it (the ledger was edited or "

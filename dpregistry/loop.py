@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from . import __version__, checkpoint as ckpt
+from .folder import json_or_none
 from .errors import BudgetExhausted
 from .run import _OUT_OF_MEMORY, Run
 from .signals import Interrupted, graceful_stop
@@ -196,9 +197,8 @@ def _summary(run: Run, metrics: dict[str, float], t0: float, *, written: bool = 
 def _earlier_wall_seconds(run: Run) -> float:
     """The time of the run's earlier segments, as the summary of the last one said (a resumed run
     reports its whole time, and resuming a finished run does not reset it to the last call's)."""
-    try:
-        earlier = json.loads((run.folder.path / "summary.json").read_text())
-    except (OSError, ValueError):
+    earlier = json_or_none(run.folder.path / "summary.json")
+    if not isinstance(earlier, dict):
         return 0.0
     same = earlier.get("recipe_hash") == run.recipe.hash and earlier.get("step", run.step + 1) <= run.step
     return float(earlier.get("wall_seconds") or 0.0) if same else 0.0

@@ -11,6 +11,7 @@ from . import checkpoint as ckpt
 from .errors import UserError
 from . import files
 from .files import read_regular, require_regular
+from .folder import json_or_none, read_rows, released_after
 from .ledger_file import LedgerFile, extends
 from .privacy.accountant import Accountant, Budget, Ledger, make_accountant
 from .privacy.events import PrivacyEvent
@@ -138,6 +139,12 @@ def newest_ledger(run_dir: Path, meta: dict[str, Any]) -> tuple[int, list[dict[s
     that does not continue the checkpoint's ledger, or whose chain is broken, is refused."""
     last = LedgerFile(run_dir).last
     step, entries = meta["step"], meta.get("ledger", [])
+    newest = max(step, last["step"]) if last is not None else step
+    rows = read_rows(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    if later := released_after(run_dir, newest, rows, json_or_none(run_dir / "summary.json")):
+        raise UserError(f"{later}, after the last charge that ledger.jsonl and the checkpoints record (step {newest}): "
+                        f"their last lines or checkpoints were removed, and what was spent cannot be recomputed",
+                        file=str(run_dir))
     if last is None or last["step"] <= step:
         return step, entries, None
     if not extends(entries, last["entries"]):
@@ -215,7 +222,7 @@ def ledger_rows(ledger: list[dict[str, Any]]) -> list[dict[str, str]]:
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         obj = json.loads(read_regular(path, "JSON file", limit=MAX_JSON_BYTES))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         raise UserError("unreadable JSON", file=str(path)) from None
     return obj if isinstance(obj, dict) else {}
 

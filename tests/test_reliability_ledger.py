@@ -198,3 +198,84 @@ def test_a_step_stopped_by_the_budget_after_a_charge_keeps_the_charge(tmp_path, 
     _, meta = ckpt.read(ckpt.list_checkpoints(out / "checkpoints")[-1][1])
     assert meta["step"] == run.step and meta["ledger"] == ledger == LedgerFile(out).last["entries"]
     assert resume_run(out).accountant.ledger.to_json() == ledger
+
+
+def test_a_cut_ledger_tail_with_the_newest_checkpoint_is_caught_by_what_was_released(tmp_path):
+    """A chain cannot tell its last lines were removed: with the newest checkpoint and its ledger
+    line deleted, a secure run resumed from step 8, released steps 9-12 a second time with other
+    noise and charged them once, and the privacy report gave the step-8 ε (a review). The model,
+    the summary and held-out evaluations each follow the checkpoint of their step, so one of them
+    later than the last charge shows the cut: resume and the reports refuse."""
+    from dpregistry.report import privacy_report
+
+    recipe = dict(RECIPE, privacy=dict(RECIPE["privacy"], noise="secure"), train=dict(RECIPE["train"], eval_every=6))
+    out = finished(tmp_path, recipe)
+    newest(out).unlink()
+    lines = (out / "ledger.jsonl").read_text().splitlines(keepends=True)
+    (out / "ledger.jsonl").write_text("".join(lines[:-1]))  # a valid chain, one line shorter
+    evidence = {"summary.json": "summary.json records step 12", "model.safetensors":
+                "model.safetensors was written at step 12", "metrics.jsonl": "metrics.jsonl holds a held-out "
+                "evaluation at step 12"}
+    for name, said in evidence.items():
+        with pytest.raises(UserError, match=f"{said}, after the newest valid checkpoint \\(step 8\\)"):
+            resume_run(out)
+        with pytest.raises(UserError, match=f"{said}, after the last charge .* \\(step 8\\)"):
+            privacy_report(out, plot=False)
+        if name == "metrics.jsonl":  # the training rows after step 8 stay: a crash leaves those
+            rows = [json.loads(x) for x in (out / name).read_text().splitlines()]
+            (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows if not any(k.startswith("eval/")
+                                                                                     and r["step"] > 8 for k in r)))
+        else:
+            (out / name).unlink()
+    assert resume_run(out).step == 8  # what a crash after step 8 leaves: resumed
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    return finished(tmp_path_factory.mktemp("done"))
+
+
+def within(seconds: int, *command):
+    """dpreg ``command`` in this process, failing the test if it takes longer (a blocked open)."""
+    import signal
+
+    def late(signum, frame):
+        raise TimeoutError(f"dpreg {' '.join(map(str, command))} took over {seconds} s")
+
+    before = signal.signal(signal.SIGALRM, late)
+    signal.alarm(seconds)
+    try:
+        return dpreg(*command)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "recipe.json", ".lock", "ledger.jsonl",
+                                  "checkpoints/step-00000099.safetensors", "model.safetensors"])
+def test_a_fifo_in_the_run_folder_is_refused_or_skipped_never_waited_on(done, tmp_path, name):
+    """Opening a FIFO for reading blocks until someone writes it: resume, report, privacy report
+    and export hung on one in place of these files (a review)."""
+    import os
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    (out / name).unlink(missing_ok=True)
+    os.mkfifo(out / name)
+    for command in (["resume", out], ["privacy", "report", out], ["report", out],
+                    ["export", out, "--to", tmp_path / "hf"]):
+        res = within(20, *command)  # an exception other than an exit fails the test here
+        assert "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "recipe.json", "ledger.jsonl"])
+def test_deeply_nested_json_in_the_run_folder_gives_one_line_not_a_traceback(done, tmp_path, name):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    (out / name).write_text("[" * 100_000 + "\n")
+    for command in (["resume"], ["privacy", "report"], ["report"]):
+        res = dpreg(*command, out)
+        assert "Traceback" not in res.stderr and "RecursionError" not in res.stderr, res.stderr[-2000:]
