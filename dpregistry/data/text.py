@@ -268,10 +268,18 @@ def _texts(table: "TextTable"):
     whole = table.rows.with_format("arrow")[:]
     columns = [pc.cast(whole.column(c), pa.large_string()) for c in table.columns]
     joined = columns[0] if len(columns) == 1 else pc.binary_join_element_wise(*columns, "\x1f")
-    joined = pc.utf8_lower(pc.utf8_normalize(joined, form="NFKC"))
-    joined = pc.replace_substring_regex(joined, pattern="[\u200b-\u200d\u2060\ufeff]", replacement="")
-    joined = pc.utf8_trim_whitespace(pc.replace_substring_regex(joined, pattern="\\s+", replacement=" "))
+    joined = one_form(joined)
     return joined if table.index is None else joined.take(pa.array(table.index))
+
+
+def one_form(texts):
+    """Arrow strings in one form: Unicode NFKC, lower case, no zero-width characters, single spaces,
+    no spaces at either end (two spellings of one text, or of one person's name, compare equal)."""
+    import pyarrow.compute as pc
+
+    texts = pc.utf8_lower(pc.utf8_normalize(texts, form="NFKC"))
+    texts = pc.replace_substring_regex(texts, pattern="[\u200b-\u200d\u2060\ufeff]", replacement="")
+    return pc.utf8_trim_whitespace(pc.replace_substring_regex(texts, pattern="\\s+", replacement=" "))
 
 
 def shared_texts(test: "TextTable", train: "TextTable") -> int:
@@ -456,7 +464,9 @@ def make_table(rows, *, text_columns: list[str | int], label_column: str | int, 
 
 def _user_ids(rows, col: str, source: Source) -> np.ndarray:
     """The user column's values as int64 ids 0, 1, ... in order of first appearance (any text or
-    number; text is stripped, as labels are, so that "ann" and "ann " are one user)."""
+    number). Text ids are compared in one form (:func:`one_form`): "ann ", "Ann" and "Ａｎｎ" are one
+    user. Counted as several, one person would contribute k examples under each spelling, and the
+    guarantee of size-k groups would not cover them; merging two people costs only examples."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -464,7 +474,7 @@ def _user_ids(rows, col: str, source: Source) -> np.ndarray:
     if pa.types.is_nested(column.type) or pa.types.is_binary(column.type):
         raise source.error(f"user column {col!r} holds {column.type} values; a user id is a text or a number")
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-        column = pc.utf8_trim_whitespace(column)
+        column = one_form(column)
         if pc.any(pc.equal(column, "")).as_py():
             raise source.error(f"no user in column {col!r}", int(pc.index(column, "").as_py()))
     # Arrow's hash kernel lists distinct values in the order it meets them
