@@ -226,6 +226,11 @@ CASES: dict[str, Case] = {
     "data file is not UTF-8": Case(recipe=TEXT.replace("DATA", "{tmp}/data"),
                                    files={"data/train.tsv": b"sentence\tlabel\n\xff\xfe bad\t1\n", "data/test.tsv": HELD_OUT_TSV},
                                    where=r"train\.tsv:2: ", says="UTF-8"),
+    "JSON Lines row nested 50,000 deep": Case(  # Arrow's reader crashed the process (SIGSEGV)
+        recipe=TEXT.replace("DATA", "{tmp}/data").replace("train.tsv", "train.jsonl"),
+        files={"data/train.jsonl": '{"sentence": "a fine film", "label": 1}\n{"sentence": "dull", "label": 0, "x": '
+                                   + "[" * 50_000 + "]" * 50_000 + "}\n", "data/test.tsv": HELD_OUT_TSV},
+        where=r"train\.jsonl:2: ", says="a row nested deeper than 100 levels"),
     "unknown data format": Case(recipe=TEXT.replace("DATA", "{tmp}/data").replace("train.tsv", "train.xlsx"),
                                 files={"data/train.xlsx": "x", "data/test.tsv": HELD_OUT_TSV},
                                 where=r"train\.xlsx: ", says="unknown data format"),

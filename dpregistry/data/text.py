@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import random
+import re
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
@@ -113,6 +114,8 @@ def read_file(path: str | Path, *, fmt: str | None = None, header: bool = True,
         kwargs = dict(sep=d["delimiter"], quoting=d["quoting"], header=0 if header else None, column_names=names,
                       na_filter=False, encoding="utf-8",
                       features=datasets.Features({n: datasets.Value("string") for n in names}))
+    if fmt == "jsonl":
+        _check_nesting(path)
     import glob
 
     with quiet():
@@ -122,6 +125,34 @@ def read_file(path: str | Path, *, fmt: str | None = None, header: bool = True,
         except Exception as e:  # noqa: BLE001 -- whatever a reader raises on this file is about the file
             raise _problem(path, fmt, header) or _empty(path, fmt, header) or _unreadable(path, e) from None
     return ds
+
+
+#: the deepest JSON nesting a JSON Lines row may have (Arrow's reader crashes the process, SIGSEGV,
+#: on a row nested 50,000 deep; text data is nested one or two levels)
+MAX_JSON_DEPTH = 100
+_JSON_STRING = re.compile(rb'"(?:[^"\\\n]|\\.)*"')
+
+
+def _check_nesting(path: Path) -> None:
+    """Refuse a JSON Lines row nested deeper than :data:`MAX_JSON_DEPTH`, before any reader sees it
+    (counted over brackets outside strings, block by block of lines)."""
+    depth_of = np.zeros(256, dtype=np.int8)
+    depth_of[ord("[")] = depth_of[ord("{")] = 1
+    depth_of[ord("]")] = depth_of[ord("}")] = -1
+    first_line = 1
+    with open_regular(path, "data file", "rb") as f:
+        while block := f.readlines(1 << 24):
+            text = _JSON_STRING.sub(b"", b"".join(block))
+            codes = np.frombuffer(text, dtype=np.uint8)
+            depth = np.cumsum(depth_of[codes], dtype=np.int32)
+            line_of = np.cumsum(codes == ord("\n"), dtype=np.int32)
+            starts = np.concatenate([[0], depth[codes == ord("\n")]])  # the depth where each line begins
+            relative = depth - starts[line_of - (codes == ord("\n"))]
+            if len(relative) and relative.max() > MAX_JSON_DEPTH:
+                line = first_line + int(line_of[int(relative.argmax())])
+                raise UserError(f"a row nested deeper than {MAX_JSON_DEPTH} levels (text data needs one or two)",
+                                file=str(path), line=line)
+            first_line += len(block)
 
 
 def _column_names(path: Path, line: int, first: list[str], header: bool, columns: list[str] | None) -> list[str]:
@@ -176,6 +207,8 @@ def _problem(path: Path, fmt: str, header: bool, needed: Sequence[str] = ()) -> 
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     return UserError(f"malformed JSON ({e.msg})", file=str(path), line=i)
+                except RecursionError:
+                    return UserError(f"a row nested deeper than {MAX_JSON_DEPTH} levels", file=str(path), line=i)
                 if not isinstance(row, dict):
                     return UserError("each JSON Lines line must be an object", file=str(path), line=i)
                 for c in needed:
