@@ -102,8 +102,17 @@ class _Expansion:
                             line=node.start_mark.line + 1)
 
 
+#: the YAML tags whose values a recipe holds (JSON's: a run folder stores the recipe as JSON)
+_PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("map", "seq", "str", "int", "float", "bool", "null")}
+
+
 def _convert(node, loader, file: str, path: tuple, locs: dict[tuple, Loc], budget: _Expansion):
     budget.take(node, len(path))
+    if node.tag not in _PLAIN_TAGS:  # a date (2024-05-01), binary data, a set, or a custom tag
+        where = {"file": file, "line": node.start_mark.line + 1, "key": ".".join(path) or None}
+        value = node.value if isinstance(node, yaml.ScalarNode) else "..."
+        raise UserError(f"{value!r} reads as YAML's {node.tag.replace('tag:yaml.org,2002:', '!!')}, which a recipe cannot hold "
+                        f"(text, numbers, true/false, null, lists and mappings); quote it to make it text", **where)
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for k_node, v_node in node.value:

@@ -202,6 +202,10 @@ CASES: dict[str, Case] = {
     "extends a missing file": Case(recipe="extends: parent.yaml\n" + BASE, where=R + ":1: extends: ",
                                    says="not found"),
     "extends is not a path": Case(recipe="extends: [a, b]\n" + BASE, where=R + ":1: extends: "),
+    "a YAML date": Case(recipe=BASE + "description: 2024-05-01\n",  # valid, then the run's JSON failed
+                        where=R + r":\d+: description: ", says="'2024-05-01' reads as YAML's !!timestamp"),
+    "a YAML tag on a list": Case(recipe=BASE + "description: !!python/object/apply:os.system [ls]\n",
+                                 where=R + r":\d+: description: ", says="!!python/object/apply:os.system"),
     "error in a parent recipe": Case(recipe="extends: parent.yaml\ntrain: {steps: 3}\n",
                                      files={"parent.yaml": BASE.replace("clip: 1.0", "clip: 0")},
                                      where=r"parent\.yaml:8: privatizer\.clip: "),
