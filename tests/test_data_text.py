@@ -795,3 +795,23 @@ def test_spellings_of_one_user_id_are_one_user(tmp_path):
     (tmp_path / "t.tsv").write_text("sentence\tlabel\nheld out\t0\nheld out too\t1\n")
     train, _ = TextData(path=str(tmp_path), train="u.tsv", test="t.tsv", user="speaker", labels=["0", "1"]).load()
     assert train.users.tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 2]
+
+
+def test_a_list_text_column_and_a_nan_user_are_refused_in_words(tmp_path):
+    """A save_to_disk text column of lists gave Arrow's cast error as a traceback (the held-out
+    check reads the texts as strings); NaN user ids were silently one user, unlike None (a review)."""
+    import datasets
+
+    from dpregistry.data import TextData
+    from dpregistry.errors import UserError
+
+    held = datasets.Dataset.from_dict({"sentence": ["x", "y"], "label": [0, 1]})
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"sentence": [["a", "b"], ["c"]], "label": [0, 1]}),
+                          "test": held}).save_to_disk(tmp_path / "lists")
+    with pytest.raises(UserError, match=r"text column 'sentence' holds list<item: string> values; a text column "
+                                        r"holds text"):
+        TextData(path=str(tmp_path / "lists"), labels=["0", "1"]).load()
+    rows = {"sentence": ["a", "b", "c", "d"], "label": [0, 1, 0, 1], "u": [1.0, float("nan"), float("nan"), 2.0]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows), "test": held}).save_to_disk(tmp_path / "nan")
+    with pytest.raises(UserError, match=r"row 2: no user in column 'u' \(NaN\)"):
+        TextData(path=str(tmp_path / "nan"), labels=["0", "1"], user="u").load()

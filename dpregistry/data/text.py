@@ -454,6 +454,10 @@ def make_table(rows, *, text_columns: list[str | int], label_column: str | int, 
     if len(rows) == 0:  # an empty test set would report accuracy 0 and loss 0 as if measured
         raise source.error("the data file is empty: it holds no examples")
     cols = [_column(rows, c, source, "text") for c in text_columns]
+    for c in cols:
+        kind = rows.data.column(c).type
+        if pa.types.is_nested(kind) or pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+            raise source.error(f"text column {c!r} holds {kind} values; a text column holds text")
     label = _column(rows, label_column, source, "label")
     user = None if user_column is None else _column(rows, user_column, source, "user")
     _check_cells(rows, cols + [label] + ([user] if user is not None else []), source)
@@ -510,6 +514,8 @@ def _user_ids(rows, col: str, source: Source) -> np.ndarray:
         column = one_form(column)
         if pc.any(pc.equal(column, "")).as_py():
             raise source.error(f"no user in column {col!r}", int(pc.index(column, "").as_py()))
+    if pa.types.is_floating(column.type) and pc.any(pc.is_nan(column)).as_py():  # NaN: no user, like None
+        raise source.error(f"no user in column {col!r} (NaN)", int(pc.index(pc.is_nan(column), True).as_py()))
     # Arrow's hash kernel lists distinct values in the order it meets them
     ids = pc.index_in(column, value_set=pc.unique(column))
     return np.asarray(ids.to_numpy(zero_copy_only=False), dtype=np.int64)
