@@ -394,7 +394,12 @@ def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int
         folder.save_checkpoint(run)
         return run
     tensors, meta, path = found
-    run.load_state(tensors, meta)
+    try:
+        run.load_state(tensors, meta)
+    except UserError as e:  # name the checkpoint refused (another run's, copied in, says which file)
+        if e.file is None:
+            e.file = str(path)
+        raise
     if _check_ledger(run, tensors, meta, path):  # (a line torn by a kill is written again by finish)
         folder.saved = (run.step, meta["ledger"])  # so a finished run's finish() need not write it again
     if run.nonfinite_steps > recipe.train.max_nonfinite_steps:
@@ -421,10 +426,12 @@ def json_or_none(path: Path) -> Any:
         return None
 
 
-def released_after(out: Path, step: int, rows: list[dict[str, Any]], summary: Any) -> str | None:
+def released_after(out: Path, step: int, rows: list[dict[str, Any]], summary: Any,
+                   evaluations: bool = True) -> str | None:
     """What in the folder shows a release after ``step``, or None: the model written at the end,
     the summary, or a held-out evaluation (each follows the checkpoint of its step, which
-    ledger.jsonl records, so with a valid ledger none is later than its newest line)."""
+    ledger.jsonl records, so with a valid ledger none is later than its newest line; evaluations
+    only where the noise is a guarantee: reproducible runs evaluate between checkpoints)."""
     if isinstance(summary, dict) and isinstance(summary.get("step"), int) and summary["step"] > step:
         return f"summary.json records step {summary['step']}"
     model = out / "model.safetensors"
@@ -437,7 +444,7 @@ def released_after(out: Path, step: int, rows: list[dict[str, Any]], summary: An
             at = None
         if isinstance(at, int) and at > step:
             return f"model.safetensors was written at step {at}"
-    evals = [r["step"] for r in rows if isinstance(r.get("step"), int) and r["step"] > step
+    evals = [r["step"] for r in rows if evaluations and isinstance(r.get("step"), int) and r["step"] > step
              and any(str(k).startswith("eval/") for k in r)]
     return f"metrics.jsonl holds a held-out evaluation at step {max(evals)}" if evals else None
 

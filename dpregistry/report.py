@@ -141,7 +141,8 @@ def newest_ledger(run_dir: Path, meta: dict[str, Any]) -> tuple[int, list[dict[s
     step, entries = meta["step"], meta.get("ledger", [])
     newest = max(step, last["step"]) if last is not None else step
     rows = read_rows(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-    if later := released_after(run_dir, newest, rows, json_or_none(run_dir / "summary.json")):
+    guarantee = (meta["recipe"].get("privacy") or {}).get("noise") != "reproducible"
+    if later := released_after(run_dir, newest, rows, json_or_none(run_dir / "summary.json"), guarantee):
         raise UserError(f"{later}, after the last charge that ledger.jsonl and the checkpoints record (step {newest}): "
                         f"their last lines or checkpoints were removed, and what was spent cannot be recomputed",
                         file=str(run_dir))
