@@ -256,11 +256,13 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
                         "or leave users out", key="users")
     out_dir = on_rank0_for_all(comm, lambda: check_out(Path(out), overwrite)) if out is not None else None
     # Everything that can fail on bad input happens before the folder is touched.
-    with saying(_sayer(verbose and (comm is None or comm.rank == 0), console)):
+    sayer = _sayer(verbose and (comm is None or comm.rank == 0), console)
+    with saying(sayer):
         run = Run(r, comm=comm, provides=provides).prepare()
     with ExitStack() as held:
         if out_dir is not None:
-            on_rank0_for_all(comm, lambda: claim(out_dir, overwrite, held))
+            with saying(sayer):
+                on_rank0_for_all(comm, lambda: claim(out_dir, overwrite, held))
         start_run(run, out_dir)
         summary = _train(run, verbose and (comm is None or comm.rank == 0), console)
     leave(comm)

@@ -304,6 +304,15 @@ def claim(out: Path, overwrite: bool, held) -> None:
     held.enter_context(run_lock(out))
     entries = [p for p in out.iterdir() if p.name != LOCK]
     _refuse_nonempty(out, entries, overwrite)
+    try:
+        last = LedgerFile(out).last
+    except UserError:  # an unreadable ledger: it is replaced all the same
+        last = None
+    if last is not None and last["step"] > 0:
+        from .progress import say
+
+        say(f"replacing a run that took {last['step']} steps: its ledger goes with it, and privacy spent on the "
+            f"same data adds up across runs")
     for p in entries:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)

@@ -293,3 +293,19 @@ def test_resuming_a_finished_run_keeps_its_wall_time(tmp_path):
     dpregistry.resume(out, verbose=False)
     again = json.loads((out / "summary.json").read_text())["wall_seconds"]
     assert first <= again <= first + 5.0
+
+
+def test_overwriting_a_run_that_spent_says_so(tmp_path, monkeypatch):
+    """--overwrite deletes the earlier run's ledger: the privacy it spent on the same data is not
+    undone, and the replacement says so before it trains (a review)."""
+    import dpregistry.api as api
+
+    model, train, _ = own(200)
+    recipe = dict(RECIPE, train={"steps": 2, "checkpoint_every": 1})
+    dpregistry.train(recipe, model=model, loss=per_example, train_data=train, verbose=False, out=tmp_path / "r")
+    said: list[str] = []
+    monkeypatch.setattr(api, "_sayer", lambda verbose, console: said.append)  # what a verbose run prints
+    dpregistry.train(recipe, model=model, loss=per_example, train_data=train, verbose=False, out=tmp_path / "r",
+                     overwrite=True)
+    assert "replacing a run that took 2 steps: its ledger goes with it, and privacy spent on the same data adds up " \
+           "across runs" in said
