@@ -119,13 +119,13 @@ def _steps(run: Run, progress, tau, t0, state) -> None:
             window.clear()
             if evaluate:
                 row.update({f"eval/{k}": v for k, v in run.objective.evaluate().items()})
-                if run.rng.guarantee and folder:
-                    # Held-out metrics reveal this step's releases. With secure noise a resume
-                    # redraws the noise of steps after its checkpoint, so checkpoint (and charge)
-                    # them before anything that depends on them is written; a keyed replay must
-                    # reproduce the checkpoint's digest (RunFolder.save_checkpoint).
-                    folder.save_checkpoint(run)
-                    saved = True
+            if (evaluate or run.algorithm.logs_releases) and run.rng.guarantee and folder:
+                # Held-out metrics (and some algorithms' step metrics) reveal this step's releases.
+                # With secure noise a resume redraws the noise of steps after its checkpoint, so
+                # checkpoint (and charge) them before anything that depends on them is written; a
+                # keyed replay must reproduce the checkpoint's digest (RunFolder.save_checkpoint).
+                folder.save_checkpoint(run)
+                saved = True
             if folder:
                 folder.append_metrics(row)
         if progress:

@@ -408,6 +408,10 @@ class Algorithm(Stage):
     defaults: ClassVar[dict[str, dict[str, Any]]] = {}
     #: needs a privacy filter (noise that depends on earlier releases)
     adaptive: ClassVar[bool] = False
+    #: its step metrics are functions of the step's releases (a noisy norm, a test on one): with
+    #: secret noise each logged row then follows a checkpoint of its step, so that a resume never
+    #: draws again the noise of a step whose release a row has shown
+    logs_releases: ClassVar[bool] = False
     #: the run's stages, set before setup
     stages: "Stages"
 

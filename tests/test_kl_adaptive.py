@@ -255,3 +255,20 @@ def test_clamp_last_spends_what_the_zcdp_filter_has_left(tmp_path):
     rows, summary = traced(plain)
     assert not any(m["clamped"] for m in rows) and "afford" in summary["stopped"]
     assert plain.accountant.rho() < 1.0 - 1e-6
+
+
+def test_with_secret_noise_each_row_of_released_values_follows_its_checkpoint(tmp_path):
+    """The rows hold functions of the step's releases (the noisy norm, the σ chosen from it): a
+    secure run killed between checkpoints redrew those steps on resume, so the rows already shown
+    were releases no ledger kept (a review). Each logged row now follows a checkpoint of its step."""
+    import json
+
+    from dpregistry.ledger_file import LedgerFile
+
+    recipe = agd_recipe(privacy={"noise": "secure"}, train={"steps": 12, "log_every": 3, "checkpoint_every": 1000})
+    run = make_run(recipe, tmp_path, out=tmp_path / "out")
+    run.train()
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["step"] for r in rows if "noisy_norm" in r]
+    assert logged and set(logged) <= {r["step"] for r in LedgerFile(tmp_path / "out").lines()}
+    assert {step for step, _ in ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")} >= set(logged[-2:])

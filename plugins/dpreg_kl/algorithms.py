@@ -114,6 +114,8 @@ class _Scheduled(Algorithm):
     """A KL algorithm with a precomputed schedule (``self.sched``): it runs until the schedule's
     worst-case number of releases (capped by ``train.steps``), or until its state says it finished."""
 
+    logs_releases = True  # the released estimate's norm and the tests on it
+
     def total_steps(self, ctx):
         return min(ctx.max_steps, self.sched.worst_case_releases if self.sched else 0)
 
@@ -378,6 +380,7 @@ class AdaptiveNoisyGD(Algorithm):
 
     name = "adaptive_noisy_gd"
     adaptive = True
+    logs_releases = True  # the released noisy norm and the σ chosen from it
     Params = AdaptiveParams
     defaults = {
         "sampler": {"name": "full_batch"},
