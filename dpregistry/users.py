@@ -78,12 +78,14 @@ def bound_contributions(user_ids: torch.Tensor, k: int, seed: int) -> UserGroups
     count = torch.repeat_interleave(counts, counts)            # each record's user's number of records
     position = torch.arange(len(ids)) - torch.repeat_interleave(starts, counts)  # its place among them
     rank = position.clone()
-    for c in counts[counts > k].unique().tolist():             # one random order of c records per count
-        key = hashlib.sha256(f"{seed}/{c}".encode()).digest()[:8]
-        g = torch.Generator().manual_seed(int.from_bytes(key, "big"))
-        order_of = torch.argsort(torch.randperm(c, generator=g))
-        at = count == c
-        rank[at] = order_of[position[at]]
+    by_count = torch.argsort(count, stable=True)               # the records of users of c records together
+    sizes, seen = torch.unique_consecutive(count[by_count], return_counts=True)
+    for c, at in zip(sizes.tolist(), torch.split(by_count, seen.tolist())):
+        if c > k:                                              # one random order of c records per count
+            key = hashlib.sha256(f"{seed}/{c}".encode()).digest()[:8]
+            order_of = torch.argsort(torch.randperm(c, generator=torch.Generator().manual_seed(
+                int.from_bytes(key, "big"))))
+            rank[at] = order_of[position[at]]
     members = records[rank < k]
     kept = counts.clamp(max=k)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
