@@ -1,11 +1,13 @@
 """A digest of the training records, to tell whether a resume or another rank trains on the same
-data: the number of records and the content of up to 16 spread over them (a heuristic that a
-changed file, another shard or another order is caught by, not a hash of every record)."""
+data, in the same order: every record of tensors, lists and text tables; for other data sets the
+number of records and 16 spread over them (each read under fixed seeds, so that a random
+augmentation reads alike), a heuristic that a changed file or another shard is caught by."""
 
 from __future__ import annotations
 
 import hashlib
 import numbers
+import random
 from typing import Any, Callable
 
 import numpy as np
@@ -38,10 +40,37 @@ def _update(h, value: Any) -> None:
         h.update(f"object {type(value).__qualname__}".encode())
 
 
-def data_digest(n: int, record: Callable[[int], Any]) -> str:
+def data_digest(n: int, record: Callable[[int], Any], every: bool = False) -> str:
     """The digest of ``n`` records, ``record(i)`` being the i-th (tensors, arrays, numbers, text,
-    and tuples, lists and dicts of them)."""
+    and tuples, lists and dicts of them): of every record, or of 16 spread over them; each read
+    with torch's, numpy's and Python's generators seeded alike and restored after."""
     h = hashlib.sha256(f"{n} records".encode())
-    for i in spread(n):
-        _update(h, record(i))
+    state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            for i in range(n) if every else spread(n):
+                torch.manual_seed(i)
+                np.random.seed(i)
+                random.seed(i)
+                _update(h, record(i))
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
     return h.hexdigest()[:16]
+
+
+def dataset_digest(data: Any) -> str:
+    """:func:`data_digest` of a torch data set or a list: a TensorDataset's tensors (or the rows of
+    them a Subset holds) in bulk, a list's every record, another data set's 16 spread records."""
+    from torch.utils.data import Subset, TensorDataset
+
+    base, rows = data, None
+    while isinstance(base, Subset):
+        idx = [int(i) for i in base.indices]
+        rows, base = (idx if rows is None else [idx[i] for i in rows]), base.dataset
+    if isinstance(base, TensorDataset):
+        h = hashlib.sha256(f"{len(data)} records".encode())
+        for t in base.tensors:
+            _update(h, t if rows is None else t[torch.as_tensor(rows, dtype=torch.long)])
+        return h.hexdigest()[:16]
+    return data_digest(len(data), data.__getitem__, every=isinstance(data, (list, tuple)))

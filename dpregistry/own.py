@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from .digest import data_digest
+from .digest import dataset_digest
 from .errors import UserError
 from .objectives import TorchObjective
 from .progress import track
@@ -149,7 +149,7 @@ class OwnObjective(TorchObjective):
                             "training examples themselves, which the guarantee does not cover; pass data the model "
                             "does not train on", key="eval_data")
         self.n_train = len(self.train_data)
-        self._fingerprint = data_digest(self.n_train, self.train_data.__getitem__)
+        self._fingerprint = dataset_digest(self.train_data)
         self.collate = default_collate
         self.model = o.model.to(ctx.device)
 
@@ -181,10 +181,10 @@ class OwnObjective(TorchObjective):
                             f"reduction='none'); it returned {shape}", key="loss")
         return losses
 
-    @torch.no_grad()
     def fingerprint(self) -> str:
         return self._fingerprint
 
+    @torch.no_grad()
     def evaluate(self):
         if self.eval_data is None:
             return {}

@@ -65,12 +65,13 @@ class UserGroups:
 
 
 def bound_contributions(user_ids: torch.Tensor, k: int, seed: int) -> UserGroups:
-    """At most ``k`` records per user, chosen uniformly at random with public randomness: a
-    function of the seed and the user ids alone (never of the labels or texts). Which of a user's
-    records are kept depends on the seed and on that user's own records alone (how many, in which
-    order), so adding, removing or replacing one user changes no other user's selection: the
-    sensitivity argument needs that (one random order of all records made every user's selection
-    depend on n, and a neighbouring data set changed them all)."""
+    """At most ``k`` records per user, chosen with public randomness: a function of the seed and
+    the user ids alone (never of the labels or texts). Which of a user's records are kept depends
+    on the seed and on that user's own records alone (how many, in which order), so adding,
+    removing or replacing one user changes no other user's selection: the sensitivity argument
+    needs that (one random order of all records made every user's selection depend on n, and a
+    neighbouring data set changed them all). Over seeds each user's kept records are a uniformly
+    random k of theirs; within one seed, users with as many records keep the same positions."""
     ids = torch.as_tensor(user_ids, dtype=torch.int64)
     _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)  # users in sorted order
     records = torch.argsort(inverse, stable=True)              # grouped by user, in file order within each

@@ -105,7 +105,7 @@ def test_a_resumed_own_run_continues_the_ledger(tmp_path):
     x, y = digits()
     changed = train_c[:-1] + [(torch.zeros_like(train_c[-1][0]), train_c[-1][1])]
     for other in (train_c + list(zip(x[1400:1410], y[1400:1410])), train_c[:-10], changed):
-        with pytest.raises(UserError, match=r"^data: the training data is not the data of the checkpoint's run "
+        with pytest.raises(UserError, match=r"step-00000010\.safetensors: data: the training data is not the data of the checkpoint's run "
                                             r"\(now \d+ records, digest \w+; then 600 records"):
             dpregistry.resume(tmp_path / "b", model=model_c, loss=per_example, train_data=other, verbose=False)
     c = dpregistry.resume(tmp_path / "b", model=model_c, loss=per_example, train_data=train_c, verbose=False)
@@ -309,3 +309,38 @@ def test_overwriting_a_run_that_spent_says_so(tmp_path, monkeypatch):
                      overwrite=True)
     assert "replacing a run that took 2 steps: its ledger goes with it, and privacy spent on the same data adds up " \
            "across runs" in said
+
+
+def test_the_data_digest_sees_order_and_ignores_random_augmentation(tmp_path):
+    """A shuffle run resumed on the same rows in another order used 42 records twice and 42 never
+    in one epoch under one charge (a review): a list's or TensorDataset's every record is in the
+    digest. A data set whose __getitem__ adds random noise was refused as other data: each record is
+    read under fixed seeds. And evaluation runs without autograd (a metric may call .numpy())."""
+    from dpregistry.digest import dataset_digest
+
+    x, y = digits()
+    rows = list(zip(x[:200], y[:200]))
+    moved = rows[:100] + rows[101:150] + [rows[100]] + rows[150:]
+    assert dataset_digest(rows) != dataset_digest(moved)
+    data = torch.utils.data.TensorDataset(x[:200], y[:200])
+    assert dataset_digest(data) != dataset_digest(torch.utils.data.TensorDataset(x[:200].flip(0), y[:200].flip(0)))
+    assert dataset_digest(torch.utils.data.Subset(data, range(10, 60))) == dataset_digest(
+        torch.utils.data.TensorDataset(x[10:60], y[10:60]))
+
+    class Jitter(torch.utils.data.Dataset):
+        def __len__(self):
+            return 200
+
+        def __getitem__(self, i):
+            return x[i] + 0.01 * torch.randn(64), y[i]
+
+    torch.manual_seed(1)
+    first, after = dataset_digest(Jitter()), torch.randn(1)
+    torch.manual_seed(1)
+    assert torch.equal(torch.randn(1), after)  # the caller's generator is left as it was
+    assert dataset_digest(Jitter()) == first
+    model, _, test = own()
+    result = dpregistry.train(dict(RECIPE, train={"steps": 2}), model=model, loss=per_example, train_data=Jitter(),
+                              eval_data=test, verbose=False,
+                              metrics={"p_numpy": lambda out, t: float(out.softmax(-1)[:, 0].numpy().mean())})
+    assert 0 < result.metrics["p_numpy"] < 1
