@@ -430,7 +430,7 @@ def json_or_none(path: Path) -> Any:
     if not path.exists():
         return None
     try:
-        return json.loads(files.read_regular(path, path.name))
+        return json.loads(files.read_regular(path, f"run file {path.name}"))
     except (ValueError, RecursionError):
         return None
 
