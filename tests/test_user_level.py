@@ -479,7 +479,8 @@ def test_dp_adam_dp_grape_and_dpzero_recipes_run_at_the_user_level(recipe, sampl
     rate users_per_step ÷ users, charged at the user level) and ELS (group privacy of size k)."""
     user = {"privacy": {"epsilon": 6.0, "delta": 1e-5, "unit": "user", "max_examples_per_user": 3,
                         "noise": "reproducible"},
-            "data": {"path": str(SST2), "k_per_class": None, "rows_per_user": 25},
+            "data": {"path": str(SST2), "k_per_class": None, "rows_per_user": 25, "max_test": 16},
+            "objective": {"cache_features": False},  # one step: encode its batch, not all 1,024 rows
             "train": {"steps": 1, "eval_every": None, "checkpoint_every": None, "progress": False}}
     path = tmp_path / "user.yaml"
     path.write_text(yaml.safe_dump({"extends": str(RECIPES / f"{recipe}.yaml"), "sampler": sampler, **user}))
