@@ -49,7 +49,7 @@ def data_digest(n: int, record: Callable[[int], Any], every: bool = False) -> st
     try:
         with torch.random.fork_rng(devices=[]):
             for i in range(n) if every else spread(n):
-                torch.manual_seed(i)
+                torch.default_generator.manual_seed(i)  # (torch.manual_seed would seed CUDA's too)
                 np.random.seed(i)
                 random.seed(i)
                 _update(h, record(i))
@@ -73,4 +73,4 @@ def dataset_digest(data: Any) -> str:
         for t in base.tensors:
             _update(h, t if rows is None else t[torch.as_tensor(rows, dtype=torch.long)])
         return h.hexdigest()[:16]
-    return data_digest(len(data), data.__getitem__, every=isinstance(data, (list, tuple)))
+    return data_digest(len(data), data.__getitem__, every=isinstance(base, (list, tuple)))

@@ -322,6 +322,8 @@ def test_the_data_digest_sees_order_and_ignores_random_augmentation(tmp_path):
     rows = list(zip(x[:200], y[:200]))
     moved = rows[:100] + rows[101:150] + [rows[100]] + rows[150:]
     assert dataset_digest(rows) != dataset_digest(moved)
+    whole = torch.utils.data.Subset(rows, range(200))
+    assert dataset_digest(whole) != dataset_digest(torch.utils.data.Subset(moved, range(200)))
     data = torch.utils.data.TensorDataset(x[:200], y[:200])
     assert dataset_digest(data) != dataset_digest(torch.utils.data.TensorDataset(x[:200].flip(0), y[:200].flip(0)))
     assert dataset_digest(torch.utils.data.Subset(data, range(10, 60))) == dataset_digest(

@@ -235,6 +235,11 @@ CASES: dict[str, Case] = {
         files={"data/train.jsonl": '{"sentence": "a fine film", "label": 1}\n{"sentence": "dull", "label": 0, "x": '
                                    + "[" * 50_000 + "]" * 50_000 + "}\n", "data/test.tsv": HELD_OUT_TSV},
         where=r"train\.jsonl:2: ", says="a row nested deeper than 100 levels"),
+    "JSON Lines row nested over 50,000 lines": Case(  # the depth is carried from line to line
+        recipe=TEXT.replace("DATA", "{tmp}/data").replace("train.tsv", "train.jsonl"),
+        files={"data/train.jsonl": '{"sentence": "a fine film", "label": 1}\n{"sentence": "dull", "label": 0, "x":\n'
+                                   + "[\n" * 50_000 + "]\n" * 50_000 + "}\n", "data/test.tsv": HELD_OUT_TSV},
+        where=r"train\.jsonl:102: ", says="a row nested deeper than 100 levels"),
     "unknown data format": Case(recipe=TEXT.replace("DATA", "{tmp}/data").replace("train.tsv", "train.xlsx"),
                                 files={"data/train.xlsx": "x", "data/test.tsv": HELD_OUT_TSV},
                                 where=r"train\.xlsx: ", says="unknown data format"),

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import random
-import re
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
@@ -128,28 +127,44 @@ def read_file(path: str | Path, *, fmt: str | None = None, header: bool = True,
 
 
 #: the deepest JSON nesting a JSON Lines row may have (Arrow's reader crashes the process, SIGSEGV,
-#: on a row nested 50,000 deep; text data is nested one or two levels)
+#: on a row nested 50,000 deep, on one line or over many; text data is nested one or two levels)
 MAX_JSON_DEPTH = 100
-_JSON_STRING = re.compile(rb'"(?:[^"\\\n]|\\.)*"')
 
 
 def _check_nesting(path: Path) -> None:
-    """Refuse a JSON Lines row nested deeper than :data:`MAX_JSON_DEPTH`, before any reader sees it:
-    a line with more opening brackets than that (rare) is measured, over brackets outside strings."""
-    first_line = 1
+    """Refuse JSON nested deeper than :data:`MAX_JSON_DEPTH` before any reader sees the file. The
+    depth is counted over the brackets outside strings and carried from line to line (a row may be
+    spread over lines); a quote is a string's edge unless an odd run of backslashes precedes it, and
+    a string never spans lines."""
+    depth, first_line = 0, 1
     with open_regular(path, "data file", "rb") as f:
         while block := f.readlines(1 << 24):
             codes = np.frombuffer(b"".join(block), dtype=np.uint8)
-            opens = np.flatnonzero((codes == ord("[")) | (codes == ord("{")))
-            ends = np.cumsum([len(line) for line in block])  # where each line ends
-            per_line = np.diff(np.concatenate([[0], np.searchsorted(opens, ends)]))
-            for k in np.flatnonzero(per_line > MAX_JSON_DEPTH).tolist():
-                text = _JSON_STRING.sub(b"", block[k])
-                depth = np.cumsum(_DEPTH[np.frombuffer(text, dtype=np.uint8)], dtype=np.int32)
-                if len(depth) and depth.max() > MAX_JSON_DEPTH:
-                    raise UserError(f"a row nested deeper than {MAX_JSON_DEPTH} levels (text data needs one or two)",
-                                    file=str(path), line=first_line + k)
+            lines = np.flatnonzero(codes == ord("\n"))
+            quotes = np.flatnonzero(codes == ord('"'))
+            after = np.flatnonzero(codes[np.maximum(quotes - 1, 0)] == ord("\\"))  # (rare) after a backslash
+            escaped = [k for k in after.tolist() if (quotes[k] - _run_start(codes, quotes[k] - 1)) % 2 == 1]
+            quotes = np.delete(quotes, escaped)
+            brackets = np.flatnonzero(_DEPTH[codes] != 0)
+            # quotes before each bracket on its own line: an odd number puts it inside a string
+            line_start = np.searchsorted(quotes, np.concatenate([[0], lines + 1])[np.searchsorted(lines, brackets)])
+            outside = (np.searchsorted(quotes, brackets) - line_start) % 2 == 0
+            brackets = brackets[outside]
+            levels = depth + np.cumsum(_DEPTH[codes[brackets]], dtype=np.int64)
+            if len(levels) and levels.max() > MAX_JSON_DEPTH:
+                at = int(brackets[int(np.argmax(levels > MAX_JSON_DEPTH))])
+                raise UserError(f"a row nested deeper than {MAX_JSON_DEPTH} levels (text data needs one or two)",
+                                file=str(path), line=first_line + int(np.searchsorted(lines, at)))
+            depth = int(levels[-1]) if len(levels) else depth
             first_line += len(block)
+
+
+def _run_start(codes: np.ndarray, end: int) -> int:
+    """Where the run of backslashes that ends at ``end`` begins."""
+    start = end
+    while start > 0 and codes[start - 1] == ord("\\"):
+        start -= 1
+    return start
 
 
 _DEPTH = np.zeros(256, dtype=np.int8)
