@@ -679,7 +679,8 @@ def test_the_probe_allows_for_the_rounding_of_a_low_precision_model(dtype):
     recipe = {"algorithm": "dp_sgd", "seed": 0,
               "objective": {"name": "hf_text_classification",
                             "model": {"path": "minilm", "dtype": dtype, "max_length": 64, "pooling": "mean"},
-                            "data": {"path": str(SST2_SUBSET), "labels": ["0", "1"], "k_per_class": 32, "seed": 0}},
+                            "data": {"path": str(SST2_SUBSET), "labels": ["0", "1"], "k_per_class": 32, "seed": 0,
+                                     "max_test": 8}},
               "sampler": {"name": "poisson", "batch_size": 16}, "privatizer": {"clip": 1.0, "noise_multiplier": 1.0},
               "update": {"lr": 1e-3}, "accountant": "rdp", "privacy": {"epsilon": 1e6, "delta": 1e-5},
               "train": {"steps": 1, "eval_every": 1000, "micro_batch_size": 4}}
