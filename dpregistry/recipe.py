@@ -111,8 +111,9 @@ def _convert(node, loader, file: str, path: tuple, locs: dict[tuple, Loc], budge
     if node.tag not in _PLAIN_TAGS:  # a date (2024-05-01), binary data, a set, or a custom tag
         where = {"file": file, "line": node.start_mark.line + 1, "key": ".".join(path) or None}
         value = node.value if isinstance(node, yaml.ScalarNode) else "..."
-        raise UserError(f"{value!r} reads as YAML's {node.tag.replace('tag:yaml.org,2002:', '!!')}, which a recipe cannot hold "
-                        f"(text, numbers, true/false, null, lists and mappings); quote it to make it text", **where)
+        tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+        raise UserError(f"{value!r} reads as YAML's {tag}, which a recipe cannot hold (text, numbers, true/false, "
+                        f"null, lists and mappings); quote it to make it text", **where)
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for k_node, v_node in node.value:
