@@ -306,6 +306,8 @@ class Run:
         self._section = "objective"  # the objective's refusal names its own keys (data.user)
         ids = self.objective.provide(UserIds).ids
         self._section = None
+        # who holds each record is part of the data a resume must train on again
+        self.data_record["users"] = hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
         self.users = bound_contributions(ids, self.recipe.privacy.max_examples_per_user,
                                          self.rng.step_seed("user_contributions", 0))
         self._given[UserGroups] = self.users
@@ -514,7 +516,8 @@ class Run:
 
 
 def _describe_data(record: dict[str, Any]) -> str:
-    return f"{record['n_train']} records" + (f", digest {record['digest']}" if record.get("digest") else "")
+    return (f"{record['n_train']} records" + (f", digest {record['digest']}" if record.get("digest") else "")
+            + (f", users {record['users']}" if record.get("users") else ""))
 
 
 #: the layout of a checkpoint's metadata and stage state (format 2: stage states are the fields

@@ -495,3 +495,31 @@ def test_dp_adam_dp_grape_and_dpzero_recipes_run_at_the_user_level(recipe, sampl
     else:  # ELS: example-level sampling among the 3 kept rows of each user, group privacy of size 3
         assert s["user_mechanism"] == "els" and event["q"] == pytest.approx(8 / (3 * users))
         assert s["epsilon"] == pytest.approx(3 * s["example_level"]["epsilon"])
+
+
+def test_a_resume_with_other_users_is_refused(tmp_path):
+    """The data record of a checkpoint held the records but not their users: a user-level run
+    resumed with another user column would continue its ledger on another partition."""
+    from conftest import rewind
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    data = list(zip(torch.tensor(x[:400] / 16, dtype=torch.float32), torch.tensor(y[:400])))
+    recipe = {"algorithm": "dp_sgd", "sampler": {"name": "user_poisson", "users_per_step": 5},
+              "update": {"lr": 0.1}, "train": {"steps": 4, "checkpoint_every": 2},
+              "privacy": {"epsilon": 6.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 4,
+                          "noise": "reproducible"}}
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 10))
+
+    dpregistry.train(recipe, model=model(), loss=per_example, train_data=data, users=torch.arange(400) // 10,
+                     verbose=False, out=tmp_path / "r")
+    rewind(tmp_path / "r", 2)
+    with pytest.raises(UserError, match=r"training data is not the data of the checkpoint's run \(now 400 records, "
+                                        r"digest \w+, users \w+; then 400 records, digest \w+, users \w+\)"):
+        dpregistry.resume(tmp_path / "r", model=model(), loss=per_example, train_data=data,
+                          users=torch.arange(400) // 8, verbose=False)
+    assert dpregistry.resume(tmp_path / "r", model=model(), loss=per_example, train_data=data,
+                             users=torch.arange(400) // 10, verbose=False).summary["step"] == 4
