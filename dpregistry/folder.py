@@ -153,6 +153,12 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of ``run_dir``'s metrics.jsonl (:func:`read_rows`), none if it has none."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return read_rows(path) if path.exists() else []
+
+
 # ---------------------------------------------------------------------------------------------
 # claiming a folder for a new run
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +357,7 @@ def steps_taken(out_dir: Path) -> list[str]:
     found = [name for name in ("summary.json", "model.safetensors") if (out_dir / name).exists()]
     if ckpt.list_checkpoints(out_dir / "checkpoints"):
         found.append("checkpoints/")
-    if (out_dir / "metrics.jsonl").exists() and read_rows(out_dir / "metrics.jsonl"):
+    if read_metrics(out_dir):
         found.append("metrics.jsonl")
     if any(r["step"] > 0 for r in LedgerFile(out_dir).lines()):
         found.append("ledger.jsonl")
@@ -489,7 +495,7 @@ def _check_ledger(run, tensors: dict[str, Any], meta: dict[str, Any], path: Path
         raise UserError(f"ledger.jsonl records steps up to {last['step']}, but the newest valid checkpoint is at step "
                         f"{step}: with secure noise steps {step + 1}-{last['step']} cannot be replayed, and taking them "
                         f"again would release them twice; restore the newer checkpoint or start a new run", file=str(out))
-    rows = read_rows(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+    rows = read_metrics(out)
     summary = json_or_none(out / "summary.json")
     if not run.rng.replayable and (later := released_after(out, step, rows, summary)):
         raise UserError(f"{later}, after the newest valid checkpoint (step {step}), yet ledger.jsonl records no "

@@ -10,8 +10,8 @@ from typing import Any, Callable
 from . import checkpoint as ckpt
 from .errors import UserError
 from . import files
-from .files import read_regular, require_regular
-from .folder import json_or_none, read_rows, released_after
+from .files import read_regular
+from .folder import read_metrics, released_after
 from .ledger_file import LedgerFile, extends
 from .privacy.accountant import Accountant, Budget, Ledger, make_accountant
 from .privacy.events import PrivacyEvent
@@ -20,17 +20,6 @@ from .users import els_group, example_budget, unit_statement, user_epsilon
 
 PLOT_NAME = "privacy_epsilon.png"
 MAX_JSON_BYTES = 100_000_000  # summary.json and recipe.json are kilobytes (a recipe at most a few MB)
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The rows of ``metrics.jsonl`` (a row torn by a kill mid-write is skipped)."""
-    from .folder import read_rows
-
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    require_regular(path, "metrics file")  # a FIFO would block the report
-    return read_rows(path)
 
 
 Series = tuple[str, list, list]  # (label, steps, values)
@@ -132,17 +121,18 @@ def recomputed(recipe: dict[str, Any], entries: list[dict[str, Any]]):
     return acc, spent, in_unit
 
 
-def newest_ledger(run_dir: Path, meta: dict[str, Any]) -> tuple[int, list[dict[str, Any]], str | None]:
-    """(step, ledger, why) of the most that ``run_dir`` shows was spent: the newest valid
-    checkpoint's, or ledger.jsonl's last line where it records later steps that continue it (the
-    newest checkpoint lost or damaged: the steps after it were still released). A ledger file
-    that does not continue the checkpoint's ledger, or whose chain is broken, is refused."""
+def newest_ledger(run_dir: Path, meta: dict[str, Any],
+                  summary: dict[str, Any]) -> tuple[int, list[dict[str, Any]], str | None]:
+    """(step, ledger, why) of the most that ``run_dir`` (its ``summary``) shows was spent: the
+    newest valid checkpoint's, or ledger.jsonl's last line where it records later steps that
+    continue it (the newest checkpoint lost or damaged: the steps after it were still released).
+    A ledger file that does not continue the checkpoint's ledger, or whose chain is broken, or a
+    release later than both, is refused."""
     last = LedgerFile(run_dir).last
     step, entries = meta["step"], meta.get("ledger", [])
     newest = max(step, last["step"]) if last is not None else step
-    rows = read_rows(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     guarantee = (meta["recipe"].get("privacy") or {}).get("noise") != "reproducible"
-    if later := released_after(run_dir, newest, rows, json_or_none(run_dir / "summary.json"), guarantee):
+    if later := released_after(run_dir, newest, read_metrics(run_dir), summary, guarantee):
         raise UserError(f"{later}, after the last charge that ledger.jsonl and the checkpoints record (step {newest}): "
                         f"their last lines or checkpoints were removed, and what was spent cannot be recomputed",
                         file=str(run_dir))
@@ -168,7 +158,9 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
     _, meta, _ = found
     recipe = meta["recipe"]
     privacy = recipe["privacy"]
-    step, entries, ledger_note = newest_ledger(run_dir, meta)
+    summary_path = run_dir / "summary.json"
+    summary = _read_json(summary_path) if summary_path.exists() else {}
+    step, entries, ledger_note = newest_ledger(run_dir, meta, summary)
     acc, spent, in_unit = recomputed(recipe, entries)
     curve = spent_curve(acc, acc.ledger, points, in_unit)
     label = "ρ spent" if acc.budget.delta is None else "ε spent"
@@ -176,14 +168,12 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
     plot_path = None
     if plot and curve:
         plot_path = run_dir / PLOT_NAME
-        _plot(plot_path, [(label, [0] + [k for k, _ in curve], [0.0] + [v for _, v in curve])],
+        _plot(plot_path, [(label, *_from_step_0(curve))],
               f"{recipe['algorithm']['name']}: privacy spent ({acc.name}, "
               f"{privacy['relation'].replace('_', '-')})"
               + (NO_GUARANTEE if privacy.get("noise") == "reproducible" else ""),
               {label: target} if target is not None and math.isfinite(target) else None)
     ledger = [dict(e, describe=PrivacyEvent.from_dict(e["event"]).describe()) for e in acc.ledger.to_json()]
-    summary_path = run_dir / "summary.json"
-    summary = _read_json(summary_path) if summary_path.exists() else {}
     return {
         "run": str(run_dir), "step": step, "checkpoint_step": meta["step"], "ledger_note": ledger_note,
         "accountant": acc.name, "notion": acc.notion,
@@ -372,12 +362,15 @@ def _main_metric(eval_series: list[Series]) -> list[Series]:
     return ordered[:1]
 
 
-def _epsilon_series(rep: dict[str, Any]) -> tuple[list, list]:
-    """ε against steps, recomputed from the ledger (0 before the first step): metrics.jsonl's ε
-    rows are neither checksummed nor recomputed, and folders from older versions hold values
-    that later fixes corrected."""
-    curve = rep["epsilon_over_steps"]
+def _from_step_0(curve: list[tuple[int, float]]) -> tuple[list, list]:
+    """(steps, values) of a :func:`spent_curve`, from 0 spent before the first step."""
     return ([0] + [k for k, _ in curve], [0.0] + [v for _, v in curve]) if curve else ([], [])
+
+
+def _epsilon_series(rep: dict[str, Any]) -> tuple[list, list]:
+    """ε against steps, recomputed from the ledger: metrics.jsonl's ε rows are neither checksummed
+    nor recomputed, and folders from older versions hold values that later fixes corrected."""
+    return _from_step_0(rep["epsilon_over_steps"])
 
 
 def _recipe_hash(run_dir: Path) -> str:

@@ -254,15 +254,21 @@ class Run:
         """Every rank loads the whole training set: the ranks draw one batch and each computes its
         share of it by index, so a rank with its own shard (the usual habit of data-parallel
         training) would sum other records at a sampling rate the ledger never saw."""
-        if self.comm.world_size == 1:
-            return
-        first = self.comm.broadcast_object(self.data_record)
-        differs = first != self.data_record
-        if self.comm.any_flag(differs):
+        if (found := self._unlike_rank_0(self.data_record)) is not None:
+            first, differs = found
             mine = f"rank {self.comm.rank}: {_describe_data(self.data_record)}; " if differs else ""
             raise UserError(f"the ranks hold different training data ({mine}rank 0: {_describe_data(first)}"
                             f"{'' if differs else '; another rank differs'}); give every rank the whole training "
                             f"set, in the same order: the run samples and shares out each batch", key="data")
+
+    def _unlike_rank_0(self, mine: Any) -> tuple[Any, bool] | None:
+        """None when every rank holds what rank 0 holds; else (rank 0's, whether this rank differs).
+        Every rank must call it (a broadcast and an all-reduce)."""
+        if self.comm.world_size == 1:
+            return None
+        first = self.comm.broadcast_object(mine)
+        differs = first != mine
+        return (first, differs) if self.comm.any_flag(differs) else None
 
     def _prepare_stages(self) -> None:
         self._section = "objective"
@@ -501,13 +507,10 @@ class Run:
     def _check_ranks_resumed_alike(self) -> None:
         """Ranks that restored different checkpoints (a stale copy of the run folder on one node)
         would sum the batches of different steps under one ledger entry."""
-        if self.comm.world_size == 1:
-            return
         mine = (self.step, hashlib.sha256(json.dumps(self.accountant.ledger.to_json(), sort_keys=True).encode())
                 .hexdigest())
-        first = self.comm.broadcast_object(mine)
-        differs = first != mine
-        if self.comm.any_flag(differs):
+        if (found := self._unlike_rank_0(mine)) is not None:
+            first, differs = found
             here = (f"rank {self.comm.rank}: step {mine[0]}{'' if first[0] != mine[0] else ', another ledger'}; "
                     if differs else "")
             raise UserError(f"the ranks resumed from different checkpoints ({here}rank 0: step {first[0]}"
