@@ -59,15 +59,24 @@ def data_digest(n: int, record: Callable[[int], Any], every: bool = False) -> st
     return h.hexdigest()[:16]
 
 
+def rows_of(data: Any) -> tuple[Any, list[int] | None]:
+    """(the data set under ``data``'s Subsets, the indices of it that ``data`` holds, or None for
+    all of it)."""
+    from torch.utils.data import Subset
+
+    if isinstance(data, Subset):
+        base, inner = rows_of(data.dataset)
+        idx = [int(i) for i in data.indices]
+        return base, idx if inner is None else [inner[i] for i in idx]
+    return data, None
+
+
 def dataset_digest(data: Any) -> str:
     """:func:`data_digest` of a torch data set or a list: a TensorDataset's tensors (or the rows of
     them a Subset holds) in bulk, a list's every record, another data set's 16 spread records."""
-    from torch.utils.data import Subset, TensorDataset
+    from torch.utils.data import TensorDataset
 
-    base, rows = data, None
-    while isinstance(base, Subset):
-        idx = [int(i) for i in base.indices]
-        rows, base = (idx if rows is None else [idx[i] for i in rows]), base.dataset
+    base, rows = rows_of(data)
     if isinstance(base, TensorDataset):
         h = hashlib.sha256(f"{len(data)} records".encode())
         for t in base.tensors:

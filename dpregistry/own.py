@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from .digest import dataset_digest
+from .digest import dataset_digest, rows_of
 from .errors import UserError
 from .objectives import TorchObjective
 from .progress import track
@@ -70,17 +70,6 @@ def _indexable(data: Any, what: str) -> Any:
     return data
 
 
-def _rows_of(data: Any) -> tuple[Any, list[int] | None]:
-    """(the data set underneath, the indices of it that ``data`` holds, or None for all of it)."""
-    from torch.utils.data import Subset
-
-    if isinstance(data, Subset):
-        base, inner = _rows_of(data.dataset)
-        idx = [int(i) for i in data.indices]
-        return base, idx if inner is None else [inner[i] for i in idx]
-    return data, None
-
-
 def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors' rows overlap in one storage (views of one tensor's rows); a row stride
     of 0 (a broadcast constant) holds no rows."""
@@ -104,7 +93,7 @@ def _shares_rows(train: Any, held_out: Any) -> bool:
     Rows copied into other objects are not detected."""
     from torch.utils.data import TensorDataset
 
-    (a, ia), (b, ib) = _rows_of(train), _rows_of(held_out)
+    (a, ia), (b, ib) = rows_of(train), rows_of(held_out)
     if a is b:
         return ia is None or ib is None or not set(ia).isdisjoint(ib)
     if isinstance(a, TensorDataset) and isinstance(b, TensorDataset):

@@ -328,12 +328,7 @@ def _keys(table: "TextTable", rows=None):
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    data = table.rows.with_format("arrow")
-    if table.index is None and (rows is None or isinstance(rows, range) and rows.step == 1):
-        got = data[:] if rows is None else data[rows.start:rows.stop]
-    else:
-        picked = np.arange(len(table)) if rows is None else np.asarray(rows)
-        got = data[(picked if table.index is None else table.index[picked]).tolist()]
+    got = table.arrow(rows)
     columns = [pc.cast(got.column(c), pa.large_string()) for c in table.columns]
     joined = columns[0] if len(columns) == 1 else pc.binary_join_element_wise(
         *columns, pa.scalar(" ", pa.large_string()))
@@ -387,6 +382,15 @@ class TextTable:
         got = self.rows[rows]
         return list(zip(*(map(str, got[c]) for c in self.columns)))
 
+    def arrow(self, positions=None):
+        """The text columns of examples ``positions`` (None: all; a range is read as one slice) as
+        an Arrow table, in that order."""
+        data = self.rows.with_format("arrow")
+        if self.index is None and (positions is None or isinstance(positions, range) and positions.step == 1):
+            return data[:] if positions is None else data[positions.start:positions.stop]
+        picked = np.arange(len(self)) if positions is None else np.asarray(positions)
+        return data[(picked if self.index is None else self.index[picked]).tolist()]
+
     def digest(self) -> str:
         """A digest of every example, in order: its text fields and label (for a resume and the
         ranks of a run to compare the data they train on; :mod:`dpregistry.digest`)."""
@@ -395,8 +399,7 @@ class TextTable:
 
         h = hashlib.sha256(f"{len(self)} examples".encode())
         h.update(json.dumps(self.label_names).encode() + np.ascontiguousarray(self.labels, dtype=np.int64).tobytes())
-        data = self.rows.with_format("arrow")
-        got = data[:] if self.index is None else data[self.index.tolist()]
+        got = self.arrow()
         for c in self.columns:
             text = pc.cast(got.column(c), pa.large_string()).combine_chunks()
             ends = np.frombuffer(text.buffers()[1], dtype=np.int64)[text.offset:text.offset + len(text) + 1]
