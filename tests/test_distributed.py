@@ -309,6 +309,10 @@ try:
 except UserError as e:
     said.append(str(e))
 open(f"{sys.argv[3]}/rank{rank}.json", "w").write(json.dumps(said))
+# a caller that goes on after a refusal leaves the process group itself (dpregistry leaves it only
+# after a run): torn down by interpreter shutdown, gloo's threads can abort the process
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
 """
 
 
