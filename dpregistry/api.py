@@ -15,7 +15,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -172,11 +172,17 @@ def load_recipe(recipe: str | Path | dict, sets=None, *, own: bool = False):
 # ------------------------------------------------------------------------------------------------
 
 
+@contextmanager
 def process_group():
-    """The torch.distributed communicator when torchrun launched us, else None."""
+    """The torch.distributed communicator when torchrun launched us, else None. After a run the
+    ranks leave together (rank 0 has written the outputs); after an error each leaves at once,
+    since a rank that raised alone would wait at a barrier for peers that never come."""
     from .distributed import init_from_env, launched_by_torchrun
 
-    return init_from_env() if launched_by_torchrun() else None
+    comm = init_from_env() if launched_by_torchrun() else None
+    yield comm
+    if comm is not None:
+        comm.barrier()
 
 
 def on_rank0_for_all(comm, fn: Callable):
@@ -197,18 +203,6 @@ def on_rank0_for_all(comm, fn: Callable):
         if message:
             raise UserError(message)
     return result
-
-
-def leave(comm) -> None:
-    """Ranks leave together (rank 0 has written the outputs) and tear the process group down
-    before interpreter shutdown does: a rank that exits while a peer still works can abort in
-    gloo's threads ("terminate called without an active exception")."""
-    if comm is None:
-        return
-    import torch.distributed as dist
-
-    comm.barrier()
-    dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,24 +242,23 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
     from .run import Run
 
     provides = _own_objects(model, loss, train_data, eval_data, metrics, users)
-    comm = process_group()
-    r = load_recipe(recipe, set, own=provides is not None)
-    if users is not None and r.privacy.unit != "user":
-        raise UserError("users= names each example's user, but privacy.unit is example: the guarantee would "
-                        "protect one example, not one user; set privacy: {unit: user, max_examples_per_user: k}, "
-                        "or leave users out", key="users")
-    out_dir = on_rank0_for_all(comm, lambda: check_out(Path(out), overwrite)) if out is not None else None
-    # Everything that can fail on bad input happens before the folder is touched.
-    sayer = _sayer(verbose and (comm is None or comm.rank == 0), console)
-    with saying(sayer):
-        run = Run(r, comm=comm, provides=provides).prepare()
-    with ExitStack() as held:
-        if out_dir is not None:
-            with saying(sayer):
-                on_rank0_for_all(comm, lambda: claim(out_dir, overwrite, held))
-        start_run(run, out_dir)
-        summary = _train(run, verbose and (comm is None or comm.rank == 0), console)
-    leave(comm)
+    with process_group() as comm:
+        r = load_recipe(recipe, set, own=provides is not None)
+        if users is not None and r.privacy.unit != "user":
+            raise UserError("users= names each example's user, but privacy.unit is example: the guarantee would "
+                            "protect one example, not one user; set privacy: {unit: user, max_examples_per_user: k}, "
+                            "or leave users out", key="users")
+        out_dir = on_rank0_for_all(comm, lambda: check_out(Path(out), overwrite)) if out is not None else None
+        # Everything that can fail on bad input happens before the folder is touched.
+        sayer = _sayer(verbose and (comm is None or comm.rank == 0), console)
+        with saying(sayer):
+            run = Run(r, comm=comm, provides=provides).prepare()
+        with ExitStack() as held:
+            if out_dir is not None:
+                with saying(sayer):
+                    on_rank0_for_all(comm, lambda: claim(out_dir, overwrite, held))
+            start_run(run, out_dir)
+            summary = _train(run, verbose and (comm is None or comm.rank == 0), console)
     return _unless_stopped(Result(run, summary, out_dir))
 
 
@@ -285,23 +278,22 @@ def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: in
     if not (run_dir / "recipe.json").exists():
         raise not_a_run_folder(run_dir)
     provides = _own_objects(model, loss, train_data, eval_data, metrics, users)
-    comm = process_group()
-    rank0 = comm is None or comm.rank == 0
-    with ExitStack() as held:
-        on_rank0_for_all(comm, lambda: held.enter_context(run_lock(run_dir)))
-        say = say or ((lambda m: _say(console, m)) if verbose else (lambda m: None))
-        with saying(say if rank0 else None):
-            r = resume_run(run_dir, comm=comm, warn=(warn or _warn) if rank0 else (lambda m: None),
-                           max_nonfinite_steps=max_nonfinite_steps, provides=provides)
-        if r.algorithm.done(r.ctx):
-            if rank0:
-                say(f"the run already finished at step {r.step}")
-            summary = finish(r, time.time())
-        else:
-            if rank0:
-                say(f"resuming {run_dir} at step {r.step} of {r.total_steps}; spent so far: {spent(r)}")
-            summary = _train(r, verbose and rank0, console)
-    leave(comm)
+    with process_group() as comm:
+        rank0 = comm is None or comm.rank == 0
+        with ExitStack() as held:
+            on_rank0_for_all(comm, lambda: held.enter_context(run_lock(run_dir)))
+            say = say or ((lambda m: _say(console, m)) if verbose else (lambda m: None))
+            with saying(say if rank0 else None):
+                r = resume_run(run_dir, comm=comm, warn=(warn or _warn) if rank0 else (lambda m: None),
+                               max_nonfinite_steps=max_nonfinite_steps, provides=provides)
+            if r.algorithm.done(r.ctx):
+                if rank0:
+                    say(f"the run already finished at step {r.step}")
+                summary = finish(r, time.time())
+            else:
+                if rank0:
+                    say(f"resuming {run_dir} at step {r.step} of {r.total_steps}; spent so far: {spent(r)}")
+                summary = _train(r, verbose and rank0, console)
     return _unless_stopped(Result(r, summary, run_dir))
 
 

@@ -17,6 +17,7 @@ parameter checksum every ``train.sync_check_every`` steps proves the replicas di
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import os
@@ -63,13 +64,23 @@ def launched_by_torchrun() -> bool:
 
 
 def init_from_env(timeout_s: float = 120.0) -> "TorchComm":
-    """Join the process group that torchrun describes in the environment."""
+    """Join the process group that torchrun describes in the environment, once per process: later
+    runs reuse it (a group joined again after it was destroyed reads its peers' stale addresses
+    from torchrun's store). A group we joined is left at exit, before interpreter shutdown: with
+    its threads alive then, gloo can abort the process ("terminate called without an active
+    exception"). A group the caller joined stays the caller's."""
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() and os.environ.get("DPREG_BACKEND") != "gloo" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        atexit.register(_leave_at_exit)
     return TorchComm()
+
+
+def _leave_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class TorchComm:
