@@ -71,10 +71,22 @@ def one_line(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
-def _check_stage(cls: Any, kind: str, origin: str) -> None:
+def _check_stage(cls: Any, kind: str, origin: str, name: str | None = None) -> None:
+    """A stage class of ``kind`` whose schema forbids unknown keys (a pydantic model of its own
+    would drop a misspelt setting and run with the default), registered under its own ``name``:
+    stages and algorithms tell each other apart by name (O2NC's full batch), so a class named
+    ``full_batch`` under another registered name would pass for one."""
+    from .stages import StageParams
+
     base = base_class(kind)
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise TypeError(f"{origin}: a {kind} must subclass dpregistry.{base.__name__}, got {cls!r}")
+    if not (isinstance(cls.Params, type) and issubclass(cls.Params, StageParams)):
+        raise TypeError(f"{origin}: {cls.__name__}.Params must subclass dpregistry.stages.StageParams (it refuses "
+                        f"unknown keys), got {cls.Params!r}")
+    if name is not None and cls.name != name:
+        raise TypeError(f"{origin}: the {kind} {cls.__name__} is registered as {name!r} but its name is "
+                        f"{cls.name!r}; register it under its name")
 
 
 @dataclass(frozen=True)
@@ -97,7 +109,10 @@ class Entry:
         except (Exception, SystemExit) as e:  # a third-party plugin may raise anything on import
             raise PluginBroken(f"{self.kind} {self.name!r} of {self.origin} failed to load ({self.target}): "
                                f"{one_line(e)}") from None
-        _check_stage(obj, self.kind, self.origin)
+        try:
+            _check_stage(obj, self.kind, self.origin, self.name)
+        except TypeError as e:
+            raise PluginBroken(f"{self.kind} {self.name!r} of {self.origin} ({self.target}): {e}") from None
         return obj
 
     @property
@@ -196,6 +211,7 @@ class Registry:
         or nothing: a plugin whose hooks raise leaves the registry as it was."""
         self.pm.register(plugin, name=name)
         try:
+            self.pm.check_pending()  # a misspelt hook (dpreg_register_privatizer) would never be called
             pending: list[Entry] = []
             others = [p for p in self.pm.get_plugins() if p is not plugin]
             for kind, hook in KINDS.items():
@@ -216,8 +232,8 @@ class Registry:
                 if not name:
                     raise TypeError(f"{origin}: the {kind} {cls!r} is registered lazily, so it needs name=")
             else:
-                _check_stage(cls, kind, origin)
                 name = name or cls.name
+                _check_stage(cls, kind, origin, name)
             if not isinstance(name, str) or not name:
                 raise TypeError(f"{origin}: {getattr(cls, '__name__', cls)} has no name")
             entry = Entry(kind, name, cls, origin, plugin)
@@ -274,6 +290,12 @@ class StagePlugin:
         self.lazy = lazy or {}
 
     def _register(self, kind: str, register) -> None:
+        if kind == next(iter(KINDS)):  # once, before any kind registers: a class of no kind would be dropped
+            bases = tuple(base_class(k) for k in KINDS)
+            for cls in self.classes:
+                if not (isinstance(cls, type) and issubclass(cls, bases)):
+                    raise TypeError(f"StagePlugin got {cls!r}, which subclasses no stage kind "
+                                    f"({', '.join(b.__name__ for b in bases)})")
         if self.classes:
             base = base_class(kind)
             for cls in self.classes:
@@ -311,6 +333,20 @@ class StagePlugin:
         self._register("algorithm", register)
 
 
+def third_party(entries) -> list[str]:
+    """``kind name (origin)`` of each stage that dpregistry does not ship."""
+    from . import __version__
+
+    return [f"{e.kind.replace('_', ' ')} {e.name} ({e.origin})" for e in entries
+            if not e.origin.startswith(f"dpregistry {__version__} ")]
+
+
+def trust_statement(stages: list[str]) -> str:
+    """What a run's ε rests on beyond dpregistry's own stages, in words (summary, report, model card)."""
+    return (f"{'; '.join(stages)}: the ε holds only if these stages keep the stage contract (their events "
+            f"state what they release); dpregistry checks what it can (docs/contract.md)")
+
+
 _registry: Registry | None = None
 
 
@@ -331,4 +367,4 @@ def reset_registry() -> None:
 
 
 __all__ = ["Registry", "Entry", "Broken", "StagePlugin", "get_registry", "reset_registry", "KINDS",
-           "PluginConflict", "PluginBroken", "base_class"]
+           "PluginConflict", "PluginBroken", "base_class", "third_party", "trust_statement"]

@@ -183,6 +183,70 @@ def test_a_second_plugin_with_a_taken_name_is_refused_naming_both(plugin_venv):
 # ------------------------------------------------------------------------------------------
 
 
+class FullBatchImpostor(Privatizer):
+    """A stage whose name is another registered name: stages tell each other apart by name."""
+
+    name = "full_batch"
+
+
+def test_a_stage_registered_under_another_name_than_its_own_is_refused():
+    """O2NC and the KL algorithms test ``sampler.name == "full_batch"`` before charging a full-batch
+    sensitivity: a Poisson sampler named full_batch but registered as my_poisson passed that test
+    (a review: ρ = 0.5 printed, the releases' true ρ about 5000)."""
+    from dpregistry.registry import PluginBroken
+
+    class Plugin:
+        @hookimpl
+        def dpreg_register_privatizers(self, register):
+            register(FullBatchImpostor, name="my_privatizer")
+
+    with pytest.raises(TypeError, match="registered as 'my_privatizer' but its name is 'full_batch'"):
+        Registry().add_plugin(Plugin(), origin="spoof 1 (spoof)")
+
+    class Lazy:
+        @hookimpl
+        def dpreg_register_privatizers(self, register):
+            register(f"{__name__}:FullBatchImpostor", name="my_privatizer")
+
+    reg = Registry()
+    reg.add_plugin(Lazy(), origin="spoof 1 (spoof)", name="spoof")
+    with pytest.raises(PluginBroken, match="registered as 'my_privatizer' but its name is 'full_batch'"):
+        reg.get("privatizer", "my_privatizer").cls
+
+
+def test_malformed_plugins_are_refused_not_dropped():
+    """A misspelt hook was never called, a class of no stage kind was skipped, and a schema on
+    plain pydantic dropped a misspelt key (``noise_multipler: 20``) and ran with the default: each
+    left only 'unknown privatizer' to go on. Each is now a broken plugin with its reason."""
+    import pydantic
+
+    from dpregistry import StagePlugin
+
+    class Misspelt:
+        @hookimpl
+        def dpreg_register_privatizer(self, register):
+            pass
+
+    class Loose(Privatizer):
+        """Its schema drops unknown keys."""
+
+        name = "loose"
+
+        class Params(pydantic.BaseModel):
+            noise_multiplier: float = 1.0
+
+    class NoKind:
+        name = "no_kind"
+
+    for plugin, reason in [(Misspelt(), "unknown hook 'dpreg_register_privatizer'"),
+                           (StagePlugin(Loose), "Params must subclass dpregistry.stages.StageParams"),
+                           (StagePlugin(NoKind), "subclasses no stage kind")]:
+        reg = Registry()
+        with pytest.raises(Exception, match=reason):
+            reg.add_plugin(plugin, origin="bad 1 (bad)", name="bad")
+        assert not reg.pm.has_plugin("bad")  # all or nothing
+
+
 def test_every_lazily_registered_stage_loads_with_its_name_and_kind():
     """Our plugins name their stages as "module:Class" strings; each must import, subclass its
     kind's base and carry the name it is registered under (a drifted table is caught here)."""
