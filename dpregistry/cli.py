@@ -130,6 +130,10 @@ def _print_summary(summary: dict, out: Path | None) -> None:
         from .rng import noise_statement
 
         t.add_row("noise", noise_statement(summary["noise"]))
+    if summary.get("third_party_stages"):
+        from .registry import trust_statement
+
+        t.add_row("third-party stages", trust_statement(summary["third_party_stages"]))
     t.add_row("steps", str(summary["step"]))
     for k, v in (summary.get("metrics") or {}).items():
         label = k.replace("_", " ") if k.startswith("train") else f"held-out {k}"
@@ -462,7 +466,7 @@ def privacy_report(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="
         console.print(f"noise {rep['noise']}: {noise_statement(rep['noise'])}")
     from .users import unit_statement
 
-    console.print(f"privacy unit: {unit_statement(rep.get('summary') or {'unit': rep.get('unit')})}")
+    console.print(f"privacy unit: {unit_statement({'unit': rep.get('unit'), 'relation': rep.get('relation'), **(rep.get('summary') or {})})}")
     if rep.get("noise_multiplier") is not None:
         console.print(f"noise multiplier {rep['noise_multiplier']:.6g}")
     t = Table("steps", "count", "partition", "event", title="ledger (entries alike on one row; --json lists each)")

@@ -50,6 +50,11 @@ class Randomness:
         return self._rng.generator(purpose, step, *extra, device=device)
 
     def secret(self, purpose: str, step: int, *extra: object) -> "SecretStream":
+        """Stages share one namespace of purposes: name yours after your stage. ``noise`` is the
+        run's (``ctx.noise()``): a stage drawing it would hold the releases' noise."""
+        if purpose == "noise":
+            raise ValueError("the secret purpose 'noise' is the privacy noise's own; draw it with ctx.noise(), "
+                             "or name your stream after your stage")
         return self._rng.secret(purpose, step, *extra)
 
 

@@ -66,7 +66,8 @@ RELATIONS = {"replace_one": "replace-one: the data sets differ in the content of
              "add_remove": "add/remove: one data set holds one more unit than the other"}
 #: what the guarantee is, as the run's summary states it (summary.json, Result.summary)
 STATED = ("epsilon", "delta", "target_epsilon", "rho", "target_rho", "accountant", "relation", "noise_multiplier",
-          "unit", "users", "max_examples_per_user", "user_mechanism", "example_level", "noise", "guarantee", "stopped")
+          "unit", "users", "max_examples_per_user", "user_mechanism", "example_level", "noise", "guarantee", "stopped",
+          "third_party_stages")
 
 
 def guarantee(summary: dict[str, Any], recipe: dict[str, Any], ledger: list[dict[str, Any]],
@@ -401,6 +402,8 @@ def model_card(exported: ModelExport, recipe: dict[str, Any], recipe_hash: str, 
 
 
 def _privacy_section(p: dict[str, Any]) -> list[str]:
+    from .registry import trust_statement
+
     lines = ["## Privacy guarantee", ""]
     if not p["guarantee"]:
         lines += [f"**NOT a privacy guarantee.** The noise is {p['noise_statement']}.", ""]
@@ -425,6 +428,8 @@ def _privacy_section(p: dict[str, Any]) -> list[str]:
               f"| neighbouring relation | {RELATIONS.get(p['relation'], p['relation'])} |",
               f"| privacy unit | {p['unit_statement']} |",
               f"| noise | {p['noise']}: {p['noise_statement']} |",
+              *([f"| third-party stages | {trust_statement(p['third_party_stages'])} |"] if p.get("third_party_stages")
+                else []),
               f"| steps | {p['steps']} |",
               f"| sample rate | {', '.join(p['sampling']) or 'none: no amplification by sampling is claimed'} |",
               f"| clip (per-{'user' if per_user else 'example'} L2 norm) | {_num(p['clip'])} |",

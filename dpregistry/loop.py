@@ -19,6 +19,7 @@ import torch
 
 from . import __version__, checkpoint as ckpt
 from .folder import json_or_none
+from .registry import third_party
 from .errors import BudgetExhausted
 from .run import _OUT_OF_MEMORY, Run
 from .signals import Interrupted, graceful_stop
@@ -101,6 +102,7 @@ def _steps(run: Run, progress, tau, t0, state) -> None:
                                    "train", "micro_batch_size") from None
         finally:
             ctx.undo_displacement()
+        run.check_charged(ctx)
         run.step += 1
         state["in_step"] = False
         window.append(result.metrics)
@@ -182,6 +184,7 @@ def _summary(run: Run, metrics: dict[str, float], t0: float, *, written: bool = 
                                  "example_level") if k in spent},
         "noise": run.rng.noise_mode,
         "guarantee": run.rng.guarantee,
+        "third_party_stages": third_party(entry for entry, _ in run.recipe.stages.values()),
         "metrics": metrics,
         "wall_seconds": time.time() - t0,
         "stopped": run.stop_reason,

@@ -15,6 +15,7 @@ from .folder import read_metrics, released_after
 from .ledger_file import LedgerFile, extends
 from .privacy.accountant import Accountant, Budget, Ledger, make_accountant
 from .privacy.events import PrivacyEvent
+from .registry import trust_statement
 from .rng import noise_statement
 from .users import els_group, example_budget, unit_statement, user_epsilon
 
@@ -297,7 +298,9 @@ def write_report(run_dir: Path) -> list[Path]:
     lines += [f"| accountant | {rep['accountant']} |", f"| neighbouring relation | {rep['relation']} |",
               f"| noise multiplier | {_num(rep['noise_multiplier'])} |", f"| steps | {rep['step']} |",
               f"| noise | {recipe['privacy'].get('noise')}: {noise_statement(recipe['privacy'].get('noise'))} |",
-              f"| privacy unit | {unit_statement(summary or {'unit': rep['unit']})} |", ""]
+              f"| privacy unit | {unit_statement({'unit': rep['unit'], 'relation': rep['relation'], **(summary or {})})} |",
+              *([f"| third-party stages | {trust_statement(summary['third_party_stages'])} |"]
+                if (summary or {}).get("third_party_stages") else []), ""]
     lines += ["Charges (the privacy ledger):", ""]
     for r in ledger_rows(rep["ledger"]):
         part = f", partition {r['partition']}" if r["partition"] != "all" else ""

@@ -23,8 +23,10 @@ from .context import Context, Randomness, _StepServices
 from .distributed import LocalComm
 from .errors import BudgetExhausted, UserError
 from .privacy.accountant import Budget
+from .privacy.events import PoissonSampled, PrivacyEvent, SampledWithoutReplacement, nodes
 from .recipe import SECTIONS, Recipe
 from .rng import RunRNG
+from .spaces import Contribution
 from .stages import Charge, ClippedSum, Objective, Release, Stages
 from .users import UserGroups, UserIds, bound_contributions, example_budget, user_epsilon
 
@@ -64,6 +66,8 @@ class Run:
         self.history: list[dict[str, Any]] = []     # logged rows
         self.bytes_logged = 0                       # payload bytes sent by the last logged row
         self._sampled_charge_step: int | None = None  # see charge()
+        self._declared_step: int | None = None         # see check_charged()
+        self._read_batch_step: int | None = None
 
         def make(kind):
             entry, params = recipe.stages[kind]
@@ -346,6 +350,9 @@ class Run:
                                     f"privacy.delta)", "privacy")
         plan = self.plan()
         self.accountant.check_events(c.event for c in plan)
+        if plan and not self.budget.is_set:
+            # what the first logged ε would refuse (pld's size bound) is refused before the folder is made
+            self.epsilon(extra=plan)
         if self.budget.is_set and plan:
             try:
                 self.accountant.approve(plan)
@@ -359,16 +366,38 @@ class Run:
 
     def charge(self, events) -> list[Charge]:
         """Charge the accountant for this step's releases (it may refuse: BudgetExhausted)."""
-        if self.sampler.amplifies:
-            # A second release from the same secret batch, amplified on its own, would under-count:
-            # the releases of one batch are one sampled mechanism (Release.events holds them all).
+        events = list(events)
+        if not all(isinstance(e, PrivacyEvent) for e in events):
+            raise TypeError(f"algorithm {self.algorithm.name!r} (privatizer {self.privatizer.name!r}) charged "
+                            f"{events!r}: a release's events are dpregistry.privacy.events.PrivacyEvents")
+        charges = self.sampler.account(self.step, events, self.ctx)
+        if not all(isinstance(c, Charge) for c in charges):
+            raise TypeError(f"sampler {self.sampler.name!r}: account() returns Charges, got {charges!r}")
+        # A second release from the same secret batch, amplified on its own, would under-count: the
+        # releases of one batch are one sampled mechanism (Release.events holds them all). Decided
+        # by the charges themselves, not only by the sampler's word (``amplifies``).
+        if self.sampler.amplifies or any(isinstance(e, AMPLIFIED) for c in charges for e in nodes(c.event)):
             if self._sampled_charge_step == self.step:
-                raise RuntimeError(f"step {self.step} charged twice on a {self.sampler.name!r} batch; charge every "
-                                   "release of a sampled batch in one Run.charge call")
+                raise RuntimeError(f"algorithm {self.algorithm.name!r} charged step {self.step} twice on a "
+                                   f"{self.sampler.name!r} batch; charge every release of a sampled batch in one "
+                                   f"Run.charge call")
             self._sampled_charge_step = self.step
-        charges = self.sampler.account(self.step, list(events), self.ctx)
         self.accountant.charge(charges, self.step)
+        if events:
+            self._declared_step = self.step
         return charges
+
+    def check_charged(self, ctx: Context) -> None:
+        """After each step: one that read its batch or drew noise released something about the
+        data, and must have charged its events (an empty ``Release.events``, or an algorithm that
+        never calls ``charge``, would leave ε at 0). The sampler may still charge nothing for them
+        (a shuffled epoch's later steps, covered by parallel composition at its first)."""
+        released = self._read_batch_step == self.step or ctx._services.calls > 0
+        if released and self._declared_step != self.step and not self.privatizer.prepaid(ctx):
+            raise RuntimeError(f"algorithm {self.algorithm.name!r} (privatizer {self.privatizer.name!r}) "
+                               f"{'privatized a batch' if self._read_batch_step == self.step else 'drew noise'} "
+                               f"at step {self.step} but charged nothing: every release pays with privacy "
+                               f"events (NonPrivate for a non-private one)")
 
     def privatize_batch(self, indices: torch.Tensor) -> ClippedSum:
         """Clip-and-sum every contribution of this rank's shard, and combine across ranks.
@@ -377,9 +406,13 @@ class Run:
         clips the whole batch in the single-process order; others all-reduce their clipped sums."""
         total: ClippedSum | None = None
         gathered = False
+        self._read_batch_step = self.step
         if self.users is not None and self.group > 1:  # ELS: the sampler drew among the kept records
             indices = self.users.members[indices]
-        for contrib in self.estimator.contributions(self.objective, self.comm.shard(indices), self.ctx):
+        shard = self.comm.shard(indices)
+        rows = _Rows(self.estimator.name, shard)
+        for contrib in self.estimator.contributions(self.objective, shard, self.ctx):
+            rows.add(contrib)
             if self.users is not None and self.group == 1:  # ULS: each user's examples are one unit
                 if contrib.indices is None:
                     raise UserError(f"estimator {self.estimator.name!r} does not say which records its contributions "
@@ -392,6 +425,7 @@ class Run:
             del contrib, full  # free activations before the next micro-batch
         if total is None:
             raise RuntimeError(f"estimator {self.estimator.name!r} yielded no contribution")
+        rows.check()
         return total if gathered else self.comm.all_reduce(total)
 
     @staticmethod
@@ -516,6 +550,43 @@ class Run:
             raise UserError(f"the ranks resumed from different checkpoints ({here}rank 0: step {first[0]}"
                             f"{'' if differs else '; another rank differs'}); every rank must read the same run "
                             f"folder")
+
+
+AMPLIFIED = (PoissonSampled, SampledWithoutReplacement)  # events amplified by a secret batch
+
+
+class _Rows:
+    """The records an estimator's contributions cover, against the batch it was given: the
+    sensitivity of a clipped sum holds for each sampled record contributing once and no other
+    record contributing at all (a record yielded twice, or one from outside the batch, is used
+    at a rate the accountant never saw)."""
+
+    def __init__(self, estimator: str, batch: torch.Tensor):
+        self.estimator, self.batch = estimator, batch
+        self.named: list[torch.Tensor] = []
+        self.rows = 0
+
+    def add(self, contrib) -> None:
+        if not isinstance(contrib, Contribution):
+            raise TypeError(f"estimator {self.estimator!r}: contributions() yields Contributions "
+                            f"(dpregistry.spaces), got {type(contrib).__name__}")
+        self.rows += contrib.n_records
+        if contrib.indices is not None:
+            if len(contrib.indices) != contrib.batch_size:
+                raise RuntimeError(f"estimator {self.estimator!r}: a contribution of {contrib.batch_size} rows names "
+                                   f"{len(contrib.indices)} records")
+            self.named.append(contrib.indices.reshape(-1).cpu())
+
+    def check(self) -> None:
+        batch = self.batch.reshape(-1).cpu()
+        if self.named and sum(len(i) for i in self.named) == self.rows:  # every row names its record
+            same = torch.equal(torch.cat(self.named).sort().values, batch.sort().values)
+        else:
+            same = self.rows == len(batch)
+        if not same:
+            raise RuntimeError(f"estimator {self.estimator!r}: its contributions cover other records than the "
+                               f"{len(batch)} of the batch it was given ({self.rows} rows); each record of the "
+                               f"batch contributes once and no other record at all")
 
 
 def _describe_data(record: dict[str, Any]) -> str:

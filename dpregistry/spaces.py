@@ -221,6 +221,12 @@ class Contribution(ABC):
     @abstractmethod
     def batch_size(self) -> int: ...
 
+    @property
+    def n_records(self) -> int:
+        """The training records the rows stand for (one each, unless a row stands for several
+        identical records)."""
+        return self.batch_size
+
     @abstractmethod
     def norms(self) -> torch.Tensor:
         """Per-example L2 norms in this space, shape [B]."""

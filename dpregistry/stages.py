@@ -354,6 +354,12 @@ class Privatizer(Stage):
     def reset(self) -> None:
         """Start a new stream/period (stateful privatizers)."""
 
+    def prepaid(self, ctx: "Context") -> bool:
+        """Whether the release of step ``ctx.step`` was paid for by an earlier charge, so that its
+        events are none (a tree aggregation charges its whole period at the period's first step).
+        The run refuses any other step that privatizes or draws noise and charges nothing."""
+        return False
+
 
 # --------------------------------------------------------------------------------------------
 # Update rule

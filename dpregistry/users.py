@@ -176,9 +176,14 @@ def user_delta(example_epsilon: float, example_delta: float, k: int) -> float:
 
 
 def unit_statement(summary: dict) -> str:
-    """What the guarantee protects, in words (the run summary, reports, the model card)."""
+    """What the guarantee protects, in words (the run summary, reports, the model card), under the
+    neighbouring relation it was accounted for: an ε for replacing one example does not cover
+    adding or removing one (the uniform and shuffle samplers' analyses need a fixed n), and an
+    add/remove ε covers a replacement only at twice its ε."""
+    change = {"replace_one": "replacing", "add_remove": "adding or removing"}.get(summary.get("relation"))
+    change = change or "changing (the neighbouring relation was not recorded)"
     if summary.get("unit") != "user":
-        return "one example: the guarantee holds for adding, removing or replacing one training example"
+        return f"one example: the guarantee holds for {change} one training example"
     k, users = summary.get("max_examples_per_user"), summary.get("users")
     if summary.get("user_mechanism") == "els":
         ex = summary.get("example_level") or {}
@@ -186,7 +191,7 @@ def unit_statement(summary: dict) -> str:
                f"example-level ε = {ex.get('epsilon', float('nan')):.4g}")
     else:
         how = f"user-level sampling, each user's mean contribution over at most {k} examples clipped as one"
-    return f"one user ({users} users): the guarantee holds for all the data of one user; {how}"
+    return f"one user ({users} users): the guarantee holds for {change} all the data of one user; {how}"
 
 
 def els_group(recipe: dict) -> int:

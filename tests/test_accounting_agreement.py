@@ -146,7 +146,7 @@ def test_a_second_charge_on_one_sampled_batch_is_refused(sampler, tmp_path):
     run = make_run(recipe, tmp_path)
     run.charge([Gaussian(2.0, 2.0)])
     charged = copy.deepcopy(run.accountant.ledger.entries)
-    with pytest.raises(RuntimeError, match="charged twice"):
+    with pytest.raises(RuntimeError, match="charged step 0 twice"):
         run.charge([Gaussian(2.0, 2.0)])
     assert run.accountant.ledger.entries == charged
     run.step += 1

@@ -30,6 +30,10 @@ class GroupedDenseContribution(DenseContribution):
         super().__init__(per_example=per_example, **kw)
         self.counts = counts
 
+    @property
+    def n_records(self) -> int:
+        return int(self.counts.sum())
+
     def weighted_sum(self, weights):
         w = weights.to(self.counts.dtype) * self.counts
         out = {}

@@ -95,6 +95,12 @@ class BoundedPrivatizer(Privatizer):
     def planned_events(self, noise_multiplier, ctx):
         return self.stream_events(noise_multiplier, ctx, 1)
 
+    def prepaid(self, ctx):
+        """A stream whose later steps have no events was charged whole at its period's start (a
+        tree; a single pass's disjoint batches, one partition)."""
+        _, p = self.settings.position(ctx.step)
+        return p != 1 and not self.stream_events(self.noise_multiplier or 0.0, ctx, p)
+
     def noise_second_moment(self) -> float:
         """max_p E‖noise of the release at p‖² (for the step size)."""
         raise NotImplementedError

@@ -1,0 +1,202 @@
+"""The stage contract, enforced where a third-party stage's slip would print a wrong ε without a
+word (review 13 wrote well-formed stages from the documented contract, each with one privacy bug;
+every one ran to the end, and the printed ε was 0 or the honest run's while the true ε, from
+dp-accounting, was 3 to 14.6).
+
+The run cannot audit arbitrary code; it checks what the contract makes checkable: a step that
+reads its batch or draws noise charges something, a sampled batch is charged once, each sampled
+record contributes once and no other record does, the privacy noise's stream is the run's own,
+and a stage is registered under its own name (tests/test_core_registry.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_run
+from dpregistry import Algorithm, StagePlugin
+from dpregistry.registry import Registry, get_registry
+from dpregistry.stages import StepResult
+
+TABULAR = {"name": "tabular", "model": {"kind": "mlp", "hidden": [8]}, "data": {"dataset": "wine"}}
+
+
+def dp_sgd(**over):
+    recipe = {"seed": 3, "algorithm": "dp_sgd", "objective": TABULAR, "sampler": {"name": "poisson", "batch_size": 16},
+              "privatizer": {"clip": 1.0, "noise_multiplier": 1.0}, "privacy": {"epsilon": 8.0, "delta": 1e-3},
+              "train": {"steps": 4, "progress": False}}
+    recipe.update(over)
+    return recipe
+
+
+def shipped(kind: str, name: str) -> type:
+    return get_registry().get(kind, name).cls
+
+
+def with_stages(*classes) -> Registry:
+    reg = Registry().load_entry_points()
+    reg.add_plugin(StagePlugin(*classes), origin="third-party 0 (tp)", name="tp")
+    return reg
+
+
+class SilentGaussian(shipped("privatizer", "gaussian")):
+    """The shipped Gaussian, but its releases state no events."""
+
+    name = "silent_gaussian"
+
+    def release(self, total, ctx, *, std=None):
+        out = super().release(total, ctx, std=std)
+        out.events = []
+        return out
+
+
+class NoCharge(Algorithm):
+    """The standard step without ``run.charge``."""
+
+    name = "no_charge"
+    defaults = shipped("algorithm", "dp_sgd").defaults
+
+    def step(self, run):
+        ctx = run.ctx
+        total = run.privatize_batch(run.sampler.indices(ctx))
+        release = run.privatizer.release(total, ctx)
+        run.update_rule.apply(ctx.params, release, ctx)
+        return StepResult(run.step_metrics(total, release))
+
+
+class ChargeTwice(NoCharge):
+    """Two releases of one batch, each charged in a call of its own (each amplified alone)."""
+
+    name = "charge_twice"
+
+    def step(self, run):
+        ctx = run.ctx
+        idx = run.sampler.indices(ctx)
+        for _ in range(2):
+            release = run.privatizer.release(run.privatize_batch(idx), ctx)
+            run.charge(release.events)
+        run.update_rule.apply(ctx.params, release, ctx)
+        return StepResult({})
+
+
+class QuietPoisson(shipped("sampler", "poisson")):
+    """The shipped Poisson sampler, without its word that the batch must stay secret."""
+
+    name = "quiet_poisson"
+    amplifies = False
+
+
+class Twice(shipped("estimator", "per_example_grad")):
+    """Every micro-batch yielded twice (a generator bug)."""
+
+    name = "twice"
+
+    def contributions(self, objective, indices, ctx):
+        yield from super().contributions(objective, indices, ctx)
+        yield from super().contributions(objective, indices, ctx)
+
+
+class Outside(shipped("estimator", "per_example_grad")):
+    """Record 0 added to every batch."""
+
+    name = "outside"
+
+    def contributions(self, objective, indices, ctx):
+        yield from super().contributions(objective, torch.cat([indices, indices.new_zeros(1)]), ctx)
+
+
+@pytest.mark.parametrize("over, stages, refusal", [
+    ({"privatizer": {"name": "silent_gaussian", "clip": 1.0, "noise_multiplier": 1.0}}, [SilentGaussian],
+     "privatized a batch at step 0 but charged nothing"),
+    ({"algorithm": "no_charge"}, [NoCharge], "privatized a batch at step 0 but charged nothing"),
+    ({"algorithm": "charge_twice"}, [ChargeTwice], "charged step 0 twice on a 'poisson' batch"),
+    ({"algorithm": "charge_twice", "sampler": {"name": "quiet_poisson", "batch_size": 16}}, [ChargeTwice, QuietPoisson],
+     "charged step 0 twice on a 'quiet_poisson' batch"),
+    ({"estimator": {"name": "twice"}}, [Twice], "contributions cover other records than the"),
+    ({"estimator": {"name": "outside"}}, [Outside], "contributions cover other records than the"),
+], ids=["empty events", "no charge", "charged twice", "charged twice, sampler silent", "rows twice",
+        "a record outside the batch"])
+def test_a_stage_that_breaks_the_contract_stops_the_run_before_its_step_counts(over, stages, refusal, tmp_path):
+    """Each ran to the end before: ε printed 0 for the first two (true: 3 at z = 5.2), the honest
+    run's for the others (true 13.96 against 12.41 printed for a batch charged twice with the
+    sampler's ``amplifies`` unset; 6.64 against 3 for rows yielded twice). Now the first step is
+    refused, and nothing it released is kept: the ledger holds only what was charged before."""
+    run = make_run(dp_sgd(**over), tmp_path, registry=with_stages(*stages))
+    with pytest.raises(RuntimeError, match=refusal):
+        run.train()
+    assert run.step == 0
+
+
+def test_the_checks_pass_the_shipped_stages(tmp_path):
+    """The same run with the shipped stages takes its steps and charges each once. (A tree
+    aggregation charges its period whole at its first step, ``Privatizer.prepaid``: its runs are
+    in tests/test_nonsmooth_e2e.py.)"""
+    run = make_run(dp_sgd(), tmp_path)
+    run.train()
+    assert run.step == 4 and run.accountant.ledger.n_charges == 4
+
+
+def test_the_privacy_noise_stream_is_the_runs_own():
+    """``ctx.rng.secret`` is open to every stage; the purpose "noise" returned exactly the
+    releases' noise (a stage drawing it for a projection would correlate with the noise)."""
+    from dpregistry.context import Context
+
+    ctx = Context.detached({}, noise="secure")
+    with pytest.raises(ValueError, match="'noise' is the privacy noise's own"):
+        ctx.rng.secret("noise", 0, 0)
+    mine, noise = ctx.rng.secret("my_stage", 0, 0).randn((64,)), ctx.noise().randn((64,))
+    assert not torch.equal(mine, noise)
+
+
+@pytest.mark.parametrize("relation, says, never", [("replace_one", "replacing one training example", "adding"),
+                                                   ("add_remove", "adding or removing one training example",
+                                                    "replacing")])
+def test_the_unit_statement_names_the_relation_that_was_accounted(relation, says, never, tmp_path):
+    """Every run said its guarantee holds for "adding, removing or replacing" one example: an
+    add/remove ε covers a replacement only at about twice the ε (3.69 against 2 in the review's
+    run), and the uniform and shuffle samplers' replace-one analyses do not cover add/remove."""
+    from dpregistry.users import unit_statement
+
+    run = make_run(dp_sgd(privacy={"epsilon": 8.0, "delta": 1e-3, "relation": relation}), tmp_path)
+    summary = run.train()
+    stated = unit_statement(summary)
+    assert says in stated and never not in stated
+    user = unit_statement({**summary, "unit": "user", "users": 10, "max_examples_per_user": 2})
+    assert ("adding or removing all the data" if relation == "add_remove" else "replacing all the data") in user
+
+
+def test_a_run_without_a_budget_whose_epsilon_cannot_be_computed_is_refused_before_its_folder(tmp_path):
+    """With δ alone (no ε budget), pld's size bound refused the plan in ``dpreg validate`` but ``dpreg
+    run`` made the folder, trained 9 steps and stopped at the first logged ε (exit 2): bad input
+    writes nothing."""
+    from dpregistry.errors import UserError
+
+    recipe = dp_sgd(privatizer={"clip": 1.0, "noise_multiplier": 0.15}, accountant="pld",
+                    privacy={"delta": 1e-3}, train={"steps": 30, "progress": False})
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match="privacy-loss array of"):
+        make_run(recipe, tmp_path, out=out)
+    assert not out.exists()
+
+
+class HonestGaussian(shipped("privatizer", "gaussian")):
+    """The shipped Gaussian under another name, from another package."""
+
+    name = "honest_gaussian"
+
+
+def test_the_epsilon_names_the_third_party_stages_it_rests_on(tmp_path):
+    """What the run cannot check (noise calibrated to another clip than the one applied: the
+    review's 2.998 printed against 55.9) rests on the stage's author; the summary, the printed
+    table and the privacy report say which stages those are, and a run of shipped stages names none."""
+    from dpregistry.report import write_report
+
+    assert make_run(dp_sgd(), tmp_path).train()["third_party_stages"] == []
+    out = tmp_path / "out"
+    run = make_run(dp_sgd(privatizer={"name": "honest_gaussian", "clip": 1.0, "noise_multiplier": 1.0}), tmp_path,
+                   out=out, registry=with_stages(HonestGaussian))
+    summary = run.train()
+    assert summary["third_party_stages"] == ["privatizer honest_gaussian (third-party 0 (tp))"]
+    write_report(out)
+    report = (out / "report" / "report.md").read_text()
+    assert "| third-party stages | privatizer honest_gaussian (third-party 0 (tp)): the ε holds only if" in report
