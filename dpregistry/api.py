@@ -242,6 +242,10 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
     from .run import Run
 
     provides = _own_objects(model, loss, train_data, eval_data, metrics, users)
+    if before := getattr(model, TRAINED, None):
+        _warn(f"warning: this model was already trained by dpregistry.train in this process ({before}); it trains on "
+              f"in place, and this run's ε covers this run alone: the model's privacy cost is the composition of "
+              f"both (pass copy.deepcopy(model) to train from the same start)")
     with process_group() as comm:
         r = load_recipe(recipe, set, own=provides is not None)
         if users is not None and r.privacy.unit != "user":
@@ -259,7 +263,14 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
                     on_rank0_for_all(comm, lambda: claim(out_dir, overwrite, held))
             start_run(run, out_dir)
             summary = _train(run, verbose and (comm is None or comm.rank == 0), console)
+    if model is not None:
+        eps = summary.get("epsilon")
+        setattr(model, TRAINED, f"ε = {eps:.4g}" if eps is not None else f"{summary['step']} private steps")
     return _unless_stopped(Result(run, summary, out_dir))
+
+
+#: set on a module that dpregistry.train trained in place: what that run spent
+TRAINED = "_dpregistry_trained"
 
 
 def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: int | None = None, model=None,

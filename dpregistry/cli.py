@@ -466,7 +466,10 @@ def privacy_report(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="
         console.print(f"noise {rep['noise']}: {noise_statement(rep['noise'])}")
     from .users import unit_statement
 
-    console.print(f"privacy unit: {unit_statement({'unit': rep.get('unit'), 'relation': rep.get('relation'), **(rep.get('summary') or {})})}")
+    stated = {"unit": rep.get("unit"), "relation": rep.get("relation"), **(rep.get("summary") or {})}
+    if rep.get("noise"):
+        stated["guarantee"] = rep["noise"] != "reproducible"
+    console.print(f"privacy unit: {unit_statement(stated)}")
     if rep.get("noise_multiplier") is not None:
         console.print(f"noise multiplier {rep['noise_multiplier']:.6g}")
     t = Table("steps", "count", "partition", "event", title="ledger (entries alike on one row; --json lists each)")

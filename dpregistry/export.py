@@ -218,8 +218,11 @@ def _check_target(to: Path, overwrite: bool, keep_out: Path | None) -> None:
             raise UserError("the export target exists and is not a folder", file=str(to))
         if keep_out is not None:
             run, target = keep_out.resolve(), to.resolve()
-            if target == run or target in run.parents:
-                raise UserError("the export target is the run folder or holds it; choose another folder", file=str(to))
+            if target == run or target in run.parents or run in target.parents:
+                # inside it, --overwrite would replace its checkpoints or report: resume and the privacy
+                # report need them
+                raise UserError("the export target is the run folder, inside it or holds it; choose another folder",
+                                file=str(to))
         if exists and any(to.iterdir()) and not overwrite:
             raise UserError("the export folder is not empty; pass --overwrite to replace it", file=str(to))
     except OSError as e:
@@ -378,11 +381,13 @@ def model_card(exported: ModelExport, recipe: dict[str, Any], recipe_hash: str, 
         front.append(f"base_model: {json.dumps(exported.base_model)}")
     if hub_dataset(recipe):
         front.append(f"datasets: [{json.dumps(hub_dataset(recipe))}]")
-    front += ["tags: [differential-privacy, dpregistry]", "---", ""]
+    # a hub search for differentially private models should not find one whose noise anyone can redraw
+    front += [f"tags: [{'differential-privacy, ' if privacy['guarantee'] else ''}dpregistry]", "---", ""]
     # The title states what ran; the recipe's description is quoted, not trusted: an override
     # (--set privacy.epsilon=3) leaves "(6, 1e-5)-DP" in it
     lines = front + [f"# {algorithm} on {(recipe.get('objective') or {}).get('name')}", "",
-                     f"{exported.what}, trained with differential privacy by dpregistry (algorithm `{algorithm}`).", ""]
+                     f"{exported.what}, trained {'with differential privacy ' if privacy['guarantee'] else ''}by dpregistry "
+                     f"(algorithm `{algorithm}`).", ""]
     if recipe.get("description"):
         lines += [f"The recipe's own description: \"{recipe['description']}\" (the guarantee below is what this "
                   f"run did).", ""]

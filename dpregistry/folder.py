@@ -285,7 +285,10 @@ def check_out(out: Path, overwrite: bool) -> Path:
 
 def _refuse_nonempty(out: Path, entries: list[Path], overwrite: bool) -> None:
     if not all(_leftover(p) for p in entries) and not overwrite:
-        hint = "`dpreg resume` it" if (out / "recipe.json").exists() else "choose another folder"
+        summary = json_or_none(out / "summary.json")
+        finished = isinstance(summary, dict) and not summary.get("stopped") and (out / "model.safetensors").exists()
+        hint = ("choose another folder (the run there has finished)" if finished else
+                "`dpreg resume` it" if (out / "recipe.json").exists() else "choose another folder")
         raise UserError(f"the output folder is not empty; pass --overwrite to replace what it holds, or {hint}",
                         file=str(out))
 

@@ -24,6 +24,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from .digest import dataset_digest, rows_of
@@ -59,9 +60,40 @@ def _calls_model(fn: Callable) -> bool:
     return first == "model"
 
 
+def _user_ids(users: Any, n: int) -> np.ndarray:
+    """``users=``: one id per training example, a text or an integer, numbered as a text file's
+    ``data.user`` column is (:func:`dpregistry.data.text.user_numbers`)."""
+    import pyarrow as pa
+
+    from .data.text import user_numbers
+
+    def refuse(message: str, row: int | None = None) -> UserError:
+        return UserError(message + (f" (example {row})" if row is not None else ""), key="users")
+
+    values = users.detach().cpu().numpy() if isinstance(users, torch.Tensor) else users
+    values = values if isinstance(values, np.ndarray) else np.asarray(list(values), dtype=object)
+    if values.ndim != 1 or len(values) != n:
+        raise refuse(f"users must hold one user id per training example ({n}), got shape {values.shape}")
+    if values.dtype.kind == "f" or (values.dtype == object and any(isinstance(v, float) for v in values)):
+        raise refuse("users must be integers or texts, not floats (a feature column passed by mistake?)")
+    try:
+        column = pa.array(values.tolist() if values.dtype == object else values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+        raise refuse(f"users must be integers or texts, one kind for all ({str(e).splitlines()[0][:120]})") from None
+    return user_numbers(column, "users", refuse)
+
+
 def _indexable(data: Any, what: str) -> Any:
+    from torch.utils.data import IterableDataset
+
     if data is None:
         return None
+    if isinstance(data, IterableDataset) or isinstance(data, dict) or type(data).__module__.startswith("pandas"):
+        kind = ("a stream (IterableDataset)" if isinstance(data, IterableDataset) else
+                "a dict (of splits or columns?)" if isinstance(data, dict) else f"a pandas {type(data).__name__}")
+        raise UserError(f"{what} is {kind}: sampling draws examples by index from a set of known size; pass a map-"
+                        f"style Dataset, a list of examples, or one split of a datasets.Dataset "
+                        f"(datasets.Dataset.from_pandas for a DataFrame)", key=what)
     if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         raise UserError(f"{what} must be indexable with a length (a torch Dataset, a list of examples or a "
                         f"datasets.Dataset); got {type(data).__name__}", key=what)
@@ -89,8 +121,9 @@ def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _shares_rows(train: Any, held_out: Any) -> bool:
     """Whether the held-out data visibly holds training rows: the same data set (Subsets of one data
     set, random_split's, whose indices meet, or one and the whole), TensorDatasets whose every
-    tensor overlaps the other's rows in one storage, or lists holding the same example objects.
-    Rows copied into other objects are not detected."""
+    tensor overlaps the other's rows in one storage, lists holding the same example objects, or
+    datasets.Datasets that read the same Arrow rows. Rows copied into other objects are not
+    detected."""
     from torch.utils.data import TensorDataset
 
     (a, ia), (b, ib) = rows_of(train), rows_of(held_out)
@@ -101,7 +134,36 @@ def _shares_rows(train: Any, held_out: Any) -> bool:
     if isinstance(a, list) and isinstance(b, list):
         ids = {id(r) for r in a if isinstance(r, (tuple, list, dict, torch.Tensor))}
         return any(id(r) in ids for r in b)
+    ra, rb = _arrow_rows(a, ia), _arrow_rows(b, ib)
+    if ra is not None and rb is not None:
+        for buffer in set(ra) & set(rb):
+            if np.intersect1d(ra[buffer], rb[buffer]).size:
+                return True
     return False
+
+
+def _arrow_rows(data: Any, rows: list[int] | None) -> dict[int, np.ndarray] | None:
+    """The Arrow rows a datasets.Dataset (``rows`` of it, or all) reads, by the memory they are
+    in: {address of a chunk's buffer: positions in that buffer}. ``select``, ``shuffle``,
+    ``train_test_split`` and ``with_format`` make new Datasets over the same memory, so a held-out
+    set made from the training set is seen whatever object it is."""
+    import sys
+
+    datasets = sys.modules.get("datasets")
+    if datasets is None or not isinstance(data, datasets.Dataset) or data.data.table.num_columns == 0:
+        return None
+    buffer, position = [], []
+    for chunk in data.data.table.column(0).chunks:
+        held = chunk.buffers()
+        buffer.append(np.full(len(chunk), held[1].address if len(held) > 1 and held[1] is not None else 0))
+        position.append(np.arange(chunk.offset, chunk.offset + len(chunk)))
+    buffer, position = np.concatenate(buffer), np.concatenate(position)
+    picked = data._indices.column(0).to_numpy() if data._indices is not None else None
+    if picked is not None:
+        buffer, position = buffer[picked], position[picked]
+    if rows is not None:
+        buffer, position = buffer[rows], position[rows]
+    return {int(b): position[buffer == b] for b in np.unique(buffer)}
 
 
 class OwnObjective(TorchObjective):
@@ -116,11 +178,7 @@ class OwnObjective(TorchObjective):
         if self.own.users is None:
             raise UserError("user needs the user of each training example: pass users=[...] to "
                             "dpregistry.train", key="privacy.unit")
-        ids = torch.as_tensor(self.own.users).reshape(-1)
-        if len(ids) != self.n_train or ids.is_floating_point():
-            raise UserError(f"users must hold one integer user id per training example ({self.n_train}), got "
-                            f"{tuple(ids.shape)} {ids.dtype}", key="users")
-        return UserIds(ids.to(torch.int64))
+        return UserIds(torch.from_numpy(_user_ids(self.own.users, self.n_train)))
 
     def build(self, ctx):
         from torch.utils.data import default_collate
@@ -224,6 +282,12 @@ model = PeftModel.from_pretrained(base, "{MODEL_DIR}").eval()""")
         if transformers is None or not isinstance(self.model, transformers.PreTrainedModel):
             raise UserError(f"your model is a plain torch module ({type(self.model).__name__}), which transformers "
                             f"cannot load; save result.model's state_dict with safetensors instead")
+        if peft is not None and any(isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer) for m in self.model.modules()):
+            # save_pretrained would write base_layer/lora_A keys that from_pretrained drops, loading the
+            # adapted layers at random
+            raise UserError("your model holds peft adapters outside a PeftModel (inject_adapter_in_model), which "
+                            "save_pretrained cannot write as a loadable model; wrap it with peft.get_peft_model, or "
+                            "merge the adapters into the weights first")
         self.model.save_pretrained(folder)
         arch = type(self.model).__name__
         return ModelExport(what=f"{arch} (your own model and loss)", usage=f"""from transformers import {arch}

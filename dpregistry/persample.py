@@ -757,6 +757,41 @@ def check_forward_is_pure(model: nn.Module) -> None:
                             "LayerNorm")
 
 
+class StateWatch:
+    """Refuse a forward that writes the model's state from the data it sees (a running mean of its
+    own, a "largest value seen" buffer): the written values leave the run without noise, in the
+    model it returns and exports. Made when the model is built, before any forward on private
+    data; ``check`` runs one more forward (from the run's random state, restored) and compares:
+    buffers by value, parameters by their in-place version counter."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        self.params = {name: (p._version, p.data_ptr()) for name, p in model.named_parameters()}
+
+    def check(self, forward: Callable[[], Any], device: torch.device) -> None:
+        with _random_state_kept(device), torch.no_grad():
+            forward()
+        for name, b in self.model.named_buffers():
+            old = self.buffers.get(name)
+            if old is None or old.shape != b.shape or old.dtype != b.dtype or not _equal_nan(old, b):
+                raise _written("buffer", name)
+        for name, p in self.model.named_parameters():
+            if self.params.get(name) != (p._version, p.data_ptr()):
+                raise _written("parameter", name)
+
+
+def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a, b) or (a.is_floating_point() and bool(torch.isclose(a, b, rtol=0, atol=0,
+                                                                               equal_nan=True).all()))
+
+
+def _written(kind: str, name: str) -> UserError:
+    return UserError(f"the model's forward writes its {kind} {name} from the examples it sees: the written values "
+                     "would leave the run without noise (in the model it returns and exports); keep the model's state "
+                     "fixed in its forward (compute such statistics outside the model)")
+
+
 def probe_indices(n_train: int, micro_batch_size: int | None = None, m: int = 8) -> torch.Tensor:
     """Up to ``m`` training examples spread over the data set, the first and the last included, for
     the independence probes (never more than the physical batch, nor fewer than two): neighbouring
@@ -1368,6 +1403,11 @@ class GradSampler:
         except UserError:
             self._drop_capture()
             raise
+        if losses.numel() and not losses.requires_grad:
+            self._drop_capture()
+            raise UserError("the per-example losses do not depend on any trainable parameter (a loss of detached "
+                            "outputs, or an integer one): every gradient would be 0 and the run would release noise "
+                            "alone", key="loss")
         finite = torch.isfinite(losses)
         zero = torch.zeros((), dtype=losses.dtype, device=losses.device)
         total = torch.where(finite, losses, zero).sum()

@@ -282,17 +282,32 @@ def load_raw(path: Path | str, sets: list[str] | tuple = (), _seen: tuple = ()) 
     return data, locs
 
 
+def _one_place(data: dict, parts: tuple[str, ...]) -> tuple[str, ...]:
+    """``data.x`` and ``objective.data.x`` (and ``model.``) name one place, the one the recipe
+    uses: --set data.dataset=wine on a recipe that nests data in its objective would otherwise
+    give data twice."""
+    obj = data.get("objective")
+    nested = isinstance(obj, dict)
+    if len(parts) > 1 and parts[0] in ("model", "data") and parts[0] not in data and nested and parts[0] in obj:
+        return ("objective",) + parts
+    if len(parts) > 2 and parts[0] == "objective" and parts[1] in ("model", "data") and parts[1] in data \
+            and not (nested and parts[1] in obj):
+        return parts[1:]
+    return parts
+
+
 def _set_path(assignment: str) -> tuple[str, ...]:
     return tuple(assignment.split("=", 1)[0].strip().split("."))
 
 
 def _apply_set(data: dict, locs: dict, assignment: str, budget: _Expansion | None = None) -> None:
     if "=" not in assignment:
-        raise UserError(f"--set expects key.path=value, got {assignment!r}", file="--set")
+        raise UserError(f"expects key.path=value, got {assignment!r}", file="--set")
     key, value = assignment.split("=", 1)
     parts = tuple(p for p in key.strip().split("."))
     if not all(parts):
-        raise UserError(f"--set: malformed key {key!r}", file="--set")
+        raise UserError(f"malformed key {key!r}", file="--set")
+    parts = _one_place(data, parts)
     if len(parts) > MAX_DEPTH:
         raise _too_deep("--set", None)
     try:

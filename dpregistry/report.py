@@ -295,10 +295,12 @@ def write_report(run_dir: Path) -> list[Path]:
               f"| δ | {_num(rep['delta'])} |"]
     if summary.get("rho") is not None or recipe["privacy"].get("rho") is not None:
         lines += [f"| ρ spent | {_num(rep['rho'])} |", f"| target ρ | {_num(recipe['privacy'].get('rho'))} |"]
+    stated = {"unit": rep["unit"], "relation": rep["relation"], **(summary or {}),
+              "guarantee": recipe["privacy"].get("noise") != "reproducible"}
     lines += [f"| accountant | {rep['accountant']} |", f"| neighbouring relation | {rep['relation']} |",
               f"| noise multiplier | {_num(rep['noise_multiplier'])} |", f"| steps | {rep['step']} |",
               f"| noise | {recipe['privacy'].get('noise')}: {noise_statement(recipe['privacy'].get('noise'))} |",
-              f"| privacy unit | {unit_statement({'unit': rep['unit'], 'relation': rep['relation'], **(summary or {})})} |",
+              f"| privacy unit | {unit_statement(stated)} |",
               *([f"| third-party stages | {trust_statement(summary['third_party_stages'])} |"]
                 if (summary or {}).get("third_party_stages") else []), ""]
     lines += ["Charges (the privacy ledger):", ""]

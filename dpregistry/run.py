@@ -22,6 +22,7 @@ from . import checkpoint as ckpt
 from .context import Context, Randomness, _StepServices
 from .distributed import LocalComm
 from .errors import BudgetExhausted, UserError
+from .persample import StateWatch, probe_indices
 from .privacy.accountant import Budget
 from .privacy.events import PoissonSampled, PrivacyEvent, SampledWithoutReplacement, nodes
 from .recipe import SECTIONS, Recipe
@@ -277,6 +278,8 @@ class Run:
     def _prepare_stages(self) -> None:
         self._section = "objective"
         self.objective.setup(self.context())
+        model = getattr(self.objective, "model", None)
+        watch = StateWatch(model) if isinstance(model, torch.nn.Module) else None
         self._section = None
         if self.objective.n_train <= 0:
             raise UserError("the training data set is empty", file=self.recipe.source, key="data")
@@ -284,6 +287,11 @@ class Run:
         self._check_ranks_share_the_data()
         if self.unit == "user":
             self._bind_users()
+        elif self._names_users():
+            raise self.recipe.error("the data names each example's user (data.user, data.rows_per_user), but "
+                                    "privacy.unit is example: the guarantee would protect one example, not one user; "
+                                    "set privacy: {unit: user, max_examples_per_user: k}, or leave the users out",
+                                    "privacy", "unit")
         n, d = self.n_units, self.target.delta
         if d is not None and d >= 1.0 / n:
             unit = "user" if self.unit == "user" else "record"
@@ -300,12 +308,26 @@ class Run:
         for kind, stage in self.stages.items():
             self._section = SECTION_OF[kind]
             stage.validate(self.ctx)
+        if watch is not None:
+            self._section = "objective"
+            probe = probe_indices(self.objective.n_train, self.recipe.train.micro_batch_size)
+            watch.check(lambda: self.objective.losses(probe), self.device)
         self._section = None
         if self.budget.rho is not None and not self.accountant.budgets_rho:
             raise self.recipe.error(f"privacy.rho is a zCDP budget, which the {self.accountant.name} accountant "
                                     f"cannot enforce; use accountant zcdp, or give the budget as privacy.epsilon "
                                     f"and privacy.delta", "privacy", "rho")
         self._calibrate_and_check()
+
+    def _names_users(self) -> bool:
+        """Whether the objective was told each record's user (read only by a user-level run)."""
+        if UserIds not in type(self.objective).provides:
+            return False
+        try:
+            self.objective.provide(UserIds)
+        except UserError:
+            return False
+        return True
 
     def _bind_users(self) -> None:
         """The public selection of at most k records per user (from the objective's user ids)."""

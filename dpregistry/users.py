@@ -182,8 +182,9 @@ def unit_statement(summary: dict) -> str:
     add/remove ε covers a replacement only at twice its ε."""
     change = {"replace_one": "replacing", "add_remove": "adding or removing"}.get(summary.get("relation"))
     change = change or "changing (the neighbouring relation was not recorded)"
+    holds = "would hold, were the noise secret," if summary.get("guarantee") is False else "holds"
     if summary.get("unit") != "user":
-        return f"one example: the guarantee holds for {change} one training example"
+        return f"one example: the guarantee {holds} for {change} one training example"
     k, users = summary.get("max_examples_per_user"), summary.get("users")
     if summary.get("user_mechanism") == "els":
         ex = summary.get("example_level") or {}
@@ -191,7 +192,7 @@ def unit_statement(summary: dict) -> str:
                f"example-level ε = {ex.get('epsilon', float('nan')):.4g}")
     else:
         how = f"user-level sampling, each user's mean contribution over at most {k} examples clipped as one"
-    return f"one user ({users} users): the guarantee holds for {change} all the data of one user; {how}"
+    return f"one user ({users} users): the guarantee {holds} for {change} all the data of one user; {how}"
 
 
 def els_group(recipe: dict) -> int:

@@ -117,20 +117,24 @@ def fp64():
 
 
 def setup_probes(monkeypatch) -> list:
-    """A list that is not empty while the hooks' setup checks run (GradSampler.check_model: the
-    layout check and the mixing probes), for tests that count the calls of a run's steps."""
-    from dpregistry.persample import GradSampler
+    """A list that is not empty while the run's setup checks run (GradSampler.check_model: the
+    layout check and the mixing probes; StateWatch.check: the probe forward of the model's state),
+    for tests that count the calls of a run's steps."""
+    from dpregistry.persample import GradSampler, StateWatch
 
-    probing, real = [], GradSampler.check_model
+    probing = []
 
-    def check_model(self, *args, **kwargs):
-        probing.append(True)
-        try:
-            return real(self, *args, **kwargs)
-        finally:
-            probing.pop()
+    def probe(real):
+        def check(self, *args, **kwargs):
+            probing.append(True)
+            try:
+                return real(self, *args, **kwargs)
+            finally:
+                probing.pop()
+        return check
 
-    monkeypatch.setattr(GradSampler, "check_model", check_model)
+    monkeypatch.setattr(GradSampler, "check_model", probe(GradSampler.check_model))
+    monkeypatch.setattr(StateWatch, "check", probe(StateWatch.check))
     return probing
 
 

@@ -346,3 +346,108 @@ def test_the_data_digest_sees_order_and_ignores_random_augmentation(tmp_path):
                               eval_data=test, verbose=False,
                               metrics={"p_numpy": lambda out, t: float(out.softmax(-1)[:, 0].numpy().mean())})
     assert 0 < result.metrics["p_numpy"] < 1
+
+
+class SeenMax(torch.nn.Module):
+    """A linear model that keeps the largest input it has seen in a buffer (written in forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 10)
+        self.register_buffer("seen_max", torch.zeros(64))
+
+    def forward(self, x):
+        self.seen_max.copy_(torch.maximum(self.seen_max, x.max(0).values))
+        return self.linear(x)
+
+
+class RunningCentre(torch.nn.Module):
+    """Centres each batch with a running mean of the batches (a home-made batch norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 10)
+        self.register_buffer("mean", torch.zeros(64))
+
+    def forward(self, x):
+        self.mean.mul_(0.5).add_(0.5 * x.mean(0))
+        return self.linear(x - self.mean)
+
+
+@pytest.mark.parametrize("model", [SeenMax, RunningCentre])
+def test_a_forward_that_writes_the_models_state_is_refused_before_step_1(model):
+    """Review 14: a buffer written in forward left with the model, without noise (the released
+    "largest value seen" was the private data's column maximum, 6 columns of 6), and a running
+    mean made the batch-mixing probe see a random forward and skip its comparison."""
+    _, train, _ = own()
+    with pytest.raises(UserError, match="forward writes its buffer"):
+        dpregistry.train(RECIPE, model=model(), loss=per_example, train_data=train, verbose=False)
+
+
+def test_a_loss_that_no_parameter_reaches_is_refused():
+    """Review 14: a loss of detached outputs trained on noise alone, every clipped fraction 0."""
+    model, train, _ = own()
+    with pytest.raises(UserError, match="do not depend on any trainable parameter"):
+        dpregistry.train(RECIPE, model=model, loss=lambda out, t: per_example(out.detach(), t), train_data=train,
+                         verbose=False)
+
+
+@pytest.mark.parametrize("users, says", [
+    ([None] + [1] * 599, "no user in users"), ([1.0] * 600, "not floats"), (torch.zeros(300, 2), "shape (300, 2)"),
+    ([True, False] * 300, "bool"), (["a", 1] * 300, "one kind for all")])
+def test_bad_user_ids_are_one_line_errors(users, says):
+    """Review 14: text ids, None, object arrays and 2-D ids escaped as torch's errors, or were flattened."""
+    model, train, _ = own()
+    recipe = dict(RECIPE, privacy={"epsilon": 4.0, "delta": 1e-5, "unit": "user", "max_examples_per_user": 2})
+    with pytest.raises(UserError, match=re.escape(says)) as e:
+        dpregistry.train(recipe, model=model, loss=per_example, train_data=train, users=users, verbose=False)
+    assert "\n" not in str(e.value)
+
+
+def test_text_user_ids_are_numbered_as_a_files_user_column_is():
+    from dpregistry.own import _user_ids
+
+    assert _user_ids(["Ann", "ann ", "Ｂob", "bob", "Ann"], 5).tolist() == [0, 0, 1, 1, 0]
+    assert _user_ids(torch.tensor([7, 3, 7]), 3).tolist() == [0, 1, 0]
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda rows: {"train": rows}, "a dict"),
+    (lambda rows: type("Stream", (torch.utils.data.IterableDataset,), {
+        "__iter__": lambda self: iter(rows), "__len__": lambda self: len(rows)})(), "a stream (IterableDataset)")])
+def test_data_that_cannot_be_sampled_by_index_is_refused(make, says):
+    model, train, _ = own()
+    with pytest.raises(UserError, match=re.escape(says)):
+        dpregistry.train(RECIPE, model=model, loss=per_example, train_data=make(train), verbose=False)
+
+
+def test_held_out_rows_of_the_training_hugging_face_dataset_are_refused():
+    """Review 14: ``select``, ``shuffle`` and ``with_format`` make new Datasets over the training
+    rows, and each passed as held-out; a ``train_test_split``'s two sides do not meet."""
+    datasets = pytest.importorskip("datasets")
+    x, y = digits()
+    ds = datasets.Dataset.from_dict({"pixels": x[:300].tolist(), "label": y[:300].tolist()}).with_format("torch")
+
+    def loss(model, batch):
+        return F.cross_entropy(model(batch["pixels"].float()), batch["label"], reduction="none")
+
+    for held_out in (ds.select(range(250, 300)), ds.shuffle(seed=1), ds.with_format("numpy")):
+        with pytest.raises(UserError, match="eval_data holds training examples"):
+            dpregistry.train(RECIPE, model=torch.nn.Linear(64, 10), loss=loss, train_data=ds.select(range(260)),
+                             eval_data=held_out, verbose=False)
+    split = ds.train_test_split(test_size=0.2, seed=0)
+    r = dpregistry.train(dict(RECIPE, train={"steps": 2}), model=torch.nn.Linear(64, 10), loss=loss,
+                         train_data=split["train"], eval_data=split["test"], verbose=False,
+                         metrics={"n": lambda model, batch: torch.ones(len(batch["label"]))})
+    assert r.summary["step"] == 2 and r.metrics["n"] == 1.0
+
+
+def test_a_model_trained_again_in_place_is_warned_about(capfd):
+    """Review 14: the module trains in place; a sweep passing one model to each run trained each
+    on the last one's output while each result stated only its own ε."""
+    model, train, _ = own()
+    dpregistry.train(dict(RECIPE, train={"steps": 2}), model=model, loss=per_example, train_data=train, verbose=False)
+    assert "already trained" not in capfd.readouterr().err
+    dpregistry.train(dict(RECIPE, train={"steps": 2}), model=model, loss=per_example, train_data=train, verbose=False)
+    err = capfd.readouterr().err
+    assert "already trained by dpregistry.train in this process (ε = " in err and "copy.deepcopy(model)" in err

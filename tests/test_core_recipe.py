@@ -130,6 +130,11 @@ def test_top_level_model_and_data_feed_the_objective(recipe_file):
                         "objective: tabular\nmodel: {kind: linear}\ndata: {dataset: wine}\n")
     r = load(recipe_file(text), ["model.kind=mlp"])
     assert r.data["objective"]["model"]["kind"] == "mlp" and r.data["objective"]["data"]["dataset"] == "wine"
+    # either spelling in --set reaches the place the recipe uses: `data.dataset=wine` on a recipe
+    # that nests data in its objective said "data given both at the top level and in objective"
+    nested = load(recipe_file(BASE), ["data.dataset=wine", "model.kind=mlp"]).data["objective"]
+    assert nested["data"]["dataset"] == "wine" and nested["model"]["kind"] == "mlp"
+    assert load(recipe_file(text), ["objective.data.dataset=iris"]).data["objective"]["data"]["dataset"] == "iris"
 
 
 def test_hash_ignores_cosmetic_keys_only(recipe_file):

@@ -672,6 +672,14 @@ def test_a_user_level_text_run_without_users_is_told_to_set_data_user(tmp_path):
                                rows_per_user=5),
                    tmp_path)
     assert run.users.n_users == 8 and run.objective.provide(UserIds).ids.tolist() == [r // 5 for r in range(40)]
+    # users named in an example-level run: the run would have protected one example of a user
+    # without a word, where dpregistry.train(users=...) refused the same mistake (review 15)
+    write_user_formats(tmp_path, sst2_rows("train.tsv")[:40])
+    example_level = user_recipe(tmp_path, {"name": "poisson", "batch_size": 8}, user="speaker")
+    example_level["privacy"] = {"epsilon": 6.0, "delta": 1e-3, "noise": "reproducible"}
+    with pytest.raises(UserError, match="names each example's user .* but privacy.unit is example") as e:
+        make_run(example_level, tmp_path)
+    assert e.value.key.startswith("privacy")
 
 
 def test_the_label_set_comes_from_public_sources_never_from_the_training_rows(tmp_path):
@@ -838,3 +846,16 @@ def test_sentence_pairs_load_and_their_copy_is_refused(tmp_path):
     (tmp_path / "copy.tsv").write_text((tmp_path / "train.tsv").read_text())
     with pytest.raises(UserError, match=r"40 of the 40 held-out examples .* have the text of a training example"):
         TextData(path=str(tmp_path), test="copy.tsv", text=["a", "b"], labels=["0", "1"]).load()
+
+
+def test_a_data_path_that_is_a_file_says_how_to_name_it(tmp_path):
+    """data.path naming the training file said "data folder ... not found" of a file that exists
+    (review 15)."""
+    from dpregistry.errors import UserError
+
+    write_user_formats(tmp_path, sst2_rows("train.tsv")[:40])
+    recipe = user_recipe(tmp_path, {"name": "poisson", "batch_size": 8})
+    recipe["objective"]["data"]["path"] = str(tmp_path / "u.tsv")
+    with pytest.raises(UserError, match=r"is a file; data.path names the folder, and data.train the file in it "
+                                        r"\(--set data.path=.* --set data.train=u.tsv\)"):
+        make_run(recipe, tmp_path)

@@ -178,7 +178,7 @@ def test_the_model_card_states_the_runs_guarantee(minilm):
     assert f"| accuracy | {result.metrics['accuracy']!r} |" in card
     assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: text-classification\n"
                            'base_model: "sentence-transformers/all-MiniLM-L6-v2"\n')
-    assert "NOT a privacy guarantee" not in card
+    assert "NOT a privacy guarantee" not in card and "tags: [differential-privacy, dpregistry]" in card
     assert meta["recipe_hash"] == result.run.recipe.hash
     # the title says what ran; the recipe's (here stale) description is quoted as its own words
     assert next(line for line in card.splitlines() if line.startswith("# ")) == "# dp_adam on hf_text_classification"
@@ -218,6 +218,10 @@ def test_what_cannot_be_exported_is_refused_and_nothing_is_written(minilm, tmp_p
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
     one_line_refusal(dpreg("export", run, "--to", run, "--overwrite"), "run folder")
     one_line_refusal(dpreg("export", run, "--to", run.parent, "--overwrite"), "run folder")
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+    # inside it: --overwrite replaced the checkpoints folder, and resume and the privacy report failed (review 14)
+    one_line_refusal(dpreg("export", run, "--to", run / "checkpoints", "--overwrite"), "run folder, inside it")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == checkpoints
     assert (run / "summary.json").exists() and (run / "model.safetensors").exists()
     # nothing to merge
     one_line_refusal(dpreg("export", run, "--to", tmp_path / "m", "--merge"), "--merge", "no LoRA")
@@ -518,6 +522,8 @@ def test_a_user_level_card_states_the_users_and_k_as_the_run_did(tmp_path, sampl
     assert f"clip (per-{clipped} L2 norm)" in rows
     assert "for user-level neighbouring" in card
     assert "**NOT a privacy guarantee.** The noise is reproducible from the recipe seed" in card
+    # nor is it tagged as one, for a search of the hub (review 14)
+    assert "tags: [dpregistry]" in card and "with differential privacy" not in card
     assert json.loads((tmp_path / "hf" / "dpregistry.json").read_text())["privacy"]["guarantee"] is False
 
 
@@ -545,3 +551,13 @@ def test_own_peft_model_exports_its_adapter(tmp_path):
     assert "library_name: peft" in (out / "README.md").read_text()
     with pytest.raises(dpregistry.UserError, match="merge_and_unload"):
         result.export(tmp_path / "merged", merge=True)
+    # adapters injected without a PeftModel: save_pretrained wrote base_layer/lora_A keys, which
+    # from_pretrained dropped, loading query and value at random with no warning (review 14)
+    from peft import inject_adapter_in_model
+
+    injected = inject_adapter_in_model(LoraConfig(r=2, target_modules=["query", "value"]),
+                                       BertForSequenceClassification.from_pretrained(tmp_path / "base"))
+    result = dpregistry.train(recipe, model=injected, loss=loss, train_data=data, verbose=False)
+    with pytest.raises(dpregistry.UserError, match="peft adapters outside a PeftModel"):
+        result.export(tmp_path / "injected")
+    assert not (tmp_path / "injected").exists()

@@ -27,21 +27,30 @@ RECIPE = {"seed": 0, "algorithm": "dpzero",
           "train": {"steps": 6, "progress": False, "checkpoint_every": 3}}
 
 
-def encoder_batches(run) -> list[int]:
-    seen = []
-    run.objective.model.encoder.register_forward_hook(lambda m, args, kw, out: seen.append(len(kw["input_ids"])),
-                                                      with_kwargs=True)
+def encoder_batches(monkeypatch) -> list[int]:
+    """The batch size of every call of the (BERT) encoder from now on: the run's setup included (its
+    label-description head encodes the descriptions, and its probe forward may fill the cache)."""
+    from transformers.models.bert.modeling_bert import BertModel
+
+    seen, real = [], BertModel.forward
+
+    def forward(self, *args, **kw):
+        seen.append(len(kw["input_ids"] if "input_ids" in kw else args[0]))
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(BertModel, "forward", forward)
     return seen
 
 
-def test_the_encoder_runs_once_per_training_example_and_the_losses_are_the_encoders(tmp_path):
+def test_the_encoder_runs_once_per_training_example_and_the_losses_are_the_encoders(tmp_path, monkeypatch):
+    seen = encoder_batches(monkeypatch)
     run = make_run(RECIPE, tmp_path)
-    seen = encoder_batches(run)
     run.train()
     obj, idx = run.objective, torch.tensor([3, 77, 3, 0])
-    # the training set once (80 < 128: one chunk), then the held-out evaluation(s): 6 steps of 2
-    # evaluations of about 16 examples would have been 12 batches
-    assert seen[0] == obj.n_train == 80 and seen[1:] == [len(obj.test_tok)] * (len(seen) - 1) and len(seen) <= 2
+    # the two label descriptions, the training set once (80 < 128: one chunk), then the held-out
+    # evaluation(s): 6 steps of 2 evaluations of about 16 examples would have been 12 batches
+    assert seen[:2] == [2, obj.n_train] == [2, 80] and seen[2:] == [len(obj.test_tok)] * (len(seen) - 2)
+    assert len(seen) <= 3
     with torch.no_grad():
         cached = obj.batch_losses(idx)
         logits = obj.model.head(F.normalize(obj.model.pool(*obj._pad(obj.train_tok.take(idx.tolist()))), dim=-1))
@@ -51,9 +60,9 @@ def test_the_encoder_runs_once_per_training_example_and_the_losses_are_the_encod
 
 @pytest.mark.parametrize("objective", [{"trainable": {"include": ["^head\\.", "LayerNorm"]}}, {"cache_features": False}],
                          ids=["encoder-trains", "switched-off"])
-def test_an_encoder_that_trains_or_a_cache_switched_off_is_not_cached(objective, tmp_path):
+def test_an_encoder_that_trains_or_a_cache_switched_off_is_not_cached(objective, tmp_path, monkeypatch):
     run = make_run({**RECIPE, "objective": {**RECIPE["objective"], **objective}}, tmp_path)
-    seen = encoder_batches(run)
+    seen = encoder_batches(monkeypatch)
     run.train()
     assert not run.objective._cache_features and sum(seen) > run.objective.n_train
 

@@ -548,22 +548,30 @@ def make_table(rows, *, text_columns: list[str | int], label_column: str | int, 
 
 
 def _user_ids(rows, col: str, source: Source) -> np.ndarray:
-    """The user column's values as int64 ids 0, 1, ... in order of first appearance (any text or
-    number). Text ids are compared in one form (:func:`one_form`): "ann ", "Ann" and "Ａｎｎ" are one
-    user. Counted as several, one person would contribute k examples under each spelling, and the
-    guarantee of size-k groups would not cover them; merging two people costs only examples."""
+    return user_numbers(rows.data.column(col), f"column {col!r}", source.error)
+
+
+def user_numbers(column, what: str, error: Callable[[str, int | None], Exception]) -> np.ndarray:
+    """User ids (an Arrow array: ``what`` names it, ``error(message, row)`` refuses) as int64 ids
+    0, 1, ... in order of first appearance (any text or integer). Text ids are compared in one
+    form (:func:`one_form`): "ann ", "Ann" and "Ａｎｎ" are one user. Counted as several, one person
+    would contribute k examples under each spelling, and the guarantee of size-k groups would not
+    cover them; merging two people costs only examples."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    column = rows.data.column(col)
-    if pa.types.is_nested(column.type) or pa.types.is_binary(column.type):
-        raise source.error(f"user column {col!r} holds {column.type} values; a user id is a text or a number")
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if pa.types.is_nested(column.type) or pa.types.is_binary(column.type) or pa.types.is_boolean(column.type):
+        raise error(f"{what} holds {column.type} values; a user id is a text or a number", None)
+    if column.null_count:
+        raise error(f"no user in {what}", int(pc.index(pc.is_null(column), True).as_py()))
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
         column = one_form(column)
         if pc.any(pc.equal(column, "")).as_py():
-            raise source.error(f"no user in column {col!r}", int(pc.index(column, "").as_py()))
+            raise error(f"no user in {what}", int(pc.index(column, "").as_py()))
     if pa.types.is_floating(column.type) and pc.any(pc.is_nan(column)).as_py():  # NaN: no user, like None
-        raise source.error(f"no user in column {col!r} (NaN)", int(pc.index(pc.is_nan(column), True).as_py()))
+        raise error(f"no user in {what} (NaN)", int(pc.index(pc.is_nan(column), True).as_py()))
     # Arrow's hash kernel lists distinct values in the order it meets them
     ids = pc.index_in(column, value_set=pc.unique(column))
     return np.asarray(ids.to_numpy(zero_copy_only=False), dtype=np.int64)
@@ -743,6 +751,10 @@ class TextData(BaseModel):
         repeated = [n for n, c in Counter(labels or ()).items() if c > 1]
         if repeated:  # two indices for one label: the second could never be predicted
             raise UserError(f"duplicate label {repeated[0]!r}", key="data.labels")
+        if self.path is not None and Path(self.path).expanduser().is_file():
+            folder = Path(self.path)
+            raise UserError(f"data.path {self.path!r} is a file; data.path names the folder, and data.train the file "
+                            f"in it (--set data.path={folder.parent} --set data.train={folder.name})", key="data.path")
         if self.path is not None and not Path(self.path).expanduser().is_dir():
             raise UserError(f"data folder {self.path!r} not found; set data.path (e.g. --set data.path=DIR with "
                             f"{self.train or 'train.tsv'} and {self.test or 'test.tsv'})", key="data.path")
