@@ -451,7 +451,10 @@ def privacy_report(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="
     if as_json:
         print(json.dumps(rep, default=str, indent=2))
         return
-    head = f"accountant [bold]{rep['accountant']}[/] ({rep['notion']}, {rep['relation'].replace('_', '-')}), " \
+    from .export import NOTIONS
+
+    head = f"accountant [bold]{rep['accountant']}[/] ({NOTIONS.get(rep['notion'], rep['notion'])}, " \
+           f"{rep['relation'].replace('_', '-')}), " \
            f"{rep['charges']} charges over {rep['step']} steps"
     if rep.get("epsilon") is not None:
         head += f": ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g}"

@@ -155,7 +155,9 @@ def _arrow_rows(data: Any, rows: list[int] | None) -> dict[int, np.ndarray] | No
     buffer, position = [], []
     for chunk in data.data.table.column(0).chunks:
         held = chunk.buffers()
-        buffer.append(np.full(len(chunk), held[1].address if len(held) > 1 and held[1] is not None else 0))
+        if len(held) < 2 or held[1] is None:  # no values of its own (all null): where its rows live is unknown
+            return None
+        buffer.append(np.full(len(chunk), held[1].address))
         position.append(np.arange(chunk.offset, chunk.offset + len(chunk)))
     buffer, position = np.concatenate(buffer), np.concatenate(position)
     picked = data._indices.column(0).to_numpy() if data._indices is not None else None

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
@@ -124,9 +125,10 @@ class Stage:
 
     @classmethod
     def description(cls) -> str:
-        """The docstring's first paragraph, on one line (a first line alone may stop mid-sentence)."""
-        doc = (cls.__doc__ or "").strip()
-        return " ".join(doc.split("\n\n")[0].split())
+        """The docstring's first paragraph, on one line (a first line alone may stop mid-sentence),
+        without its reST markup (``x`` reads `x`, :mod:`a.b` reads a.b)."""
+        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+        return re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc).replace("``", "`")
 
     def setup(self, ctx: "Context") -> None:
         """Bind to a run: the objective and the parameters exist by now (``ctx.params``)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import site
 import subprocess
 import sys
@@ -256,6 +257,7 @@ def test_every_lazily_registered_stage_loads_with_its_name_and_kind():
     assert len(entries) > 60 and all(isinstance(e.target, str) for e in entries)
     for e in entries:
         assert issubclass(e.cls, base_class(e.kind)) and e.cls.name == e.name, e.target
+        assert not re.search(r"``|:[a-z]+:`", e.description), e.description  # `dpreg plugins` printed raw reST
 
 
 def case_clash_plugin(target):

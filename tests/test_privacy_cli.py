@@ -78,7 +78,7 @@ def test_report_prints_the_ledger_and_writes_the_plot(tmp_path):
     img = matplotlib.image.imread(plot)
     assert img.shape[0] > 200 and img.shape[1] > 300 and img[..., :3].std() > 0.05  # a drawn figure
     flat = " ".join(text.split())  # rich wraps long lines
-    assert "accountant rdp (rdp, replace-one), 24 charges over 24 steps" in flat
+    assert "accountant rdp (Rényi DP, replace-one), 24 charges over 24 steps" in flat
     assert f"ε = {summary['epsilon']:.4g} at δ = 1e-05 (budget 1.5)" in flat
     assert "0–23" in flat and "poisson(q=0.05" in flat
     assert str(plot) in "".join(text.split())

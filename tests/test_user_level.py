@@ -379,7 +379,8 @@ def _audit_run(sampler, unit_privacy, epsilon):
         return -(out * torch.where(flip, -10.0, 10.0)).sum(-1)
 
     y[:per_user] = 7.0  # marks the canary's rows in the targets
-    objects = OwnObjects(model, loss, list(zip(x, y)), users=torch.arange(n) // per_user)
+    users = torch.arange(n) // per_user if unit_privacy.get("unit") == "user" else None  # else refused: unused
+    objects = OwnObjects(model, loss, list(zip(x, y)), users=users)
     recipe = {"algorithm": "dp_sgd", "objective": "python", "seed": 0, "sampler": sampler,
               "privatizer": {"clip": 1.0, "noise_multiplier": "auto"}, "accountant": "pld",
               "privacy": {"epsilon": epsilon, "delta": DELTA, "noise": "reproducible", **unit_privacy},
