@@ -74,5 +74,5 @@ def test_rho_budget_refusal_and_report(tmp_path):
     summary = run.train()
     rep = privacy_report(out)
     assert rep["rho"] == summary["rho"] and rep["target_rho"] == 1.0 and rep["epsilon"] is None
-    text = CliRunner().invoke(app, ["privacy", "report", str(out)]).output
+    text = " ".join(CliRunner().invoke(app, ["privacy", "report", str(out)]).output.split())  # as one line
     assert f"ρ = {summary['rho']:.4g} of 1" in text
