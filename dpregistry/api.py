@@ -62,7 +62,7 @@ class Result:
 
     @property
     def guarantee(self) -> bool:
-        """Whether the ε is a privacy guarantee (not in reproducible noise mode)."""
+        """Whether the ε is a privacy guarantee (secret noise, and no release charged as non-private)."""
         return bool(self.summary.get("guarantee"))
 
     @property
@@ -262,10 +262,12 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
                 with saying(sayer):
                     on_rank0_for_all(comm, lambda: claim(out_dir, overwrite, held))
             start_run(run, out_dir)
-            summary = _train(run, verbose and (comm is None or comm.rank == 0), console)
-    if model is not None:
-        eps = summary.get("epsilon")
-        setattr(model, TRAINED, f"ε = {eps:.4g}" if eps is not None else f"{summary['step']} private steps")
+            try:
+                summary = _train(run, verbose and (comm is None or comm.rank == 0), console)
+            finally:  # a run that failed after some steps trained the module too (out of memory, say)
+                if model is not None and run.step > 0:
+                    eps = run.epsilon()
+                    setattr(model, TRAINED, f"ε = {eps:.4g}" if eps is not None else f"{run.step} private steps")
     return _unless_stopped(Result(run, summary, out_dir))
 
 

@@ -469,9 +469,8 @@ def privacy_report(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="
         console.print(f"noise {rep['noise']}: {noise_statement(rep['noise'])}")
     from .users import unit_statement
 
-    stated = {"unit": rep.get("unit"), "relation": rep.get("relation"), **(rep.get("summary") or {})}
-    if rep.get("noise"):
-        stated["guarantee"] = rep["noise"] != "reproducible"
+    stated = {"unit": rep.get("unit"), "relation": rep.get("relation"), **(rep.get("summary") or {}),
+              "guarantee": rep["guarantee"]}
     console.print(f"privacy unit: {unit_statement(stated)}")
     if rep.get("noise_multiplier") is not None:
         console.print(f"noise multiplier {rep['noise_multiplier']:.6g}")

@@ -75,13 +75,16 @@ def guarantee(summary: dict[str, Any], recipe: dict[str, Any], ledger: list[dict
     """The privacy guarantee of a model as its run stated it, recomputing nothing: ε, δ, the unit,
     the noise mode and multiplier from the run's summary; the sampling and the charges from its
     ledger; the clip and the data set from its resolved recipe."""
-    from .privacy.events import PrivacyEvent
+    from .privacy.events import NonPrivate, PrivacyEvent, nodes
     from .rng import noise_statement
     from .users import unit_statement
 
     events = [PrivacyEvent.from_dict(e["event"]) for e in ledger]
     stated = {k: summary.get(k) for k in STATED}
     stated["unit"] = stated["unit"] or "example"  # runs from before user-level DP
+    stated["nonprivate"] = any(isinstance(leaf, NonPrivate) for ev in events for leaf in nodes(ev))
+    stated["guarantee"] = bool(stated["guarantee"]) and not stated["nonprivate"]
+    summary = {**summary, "guarantee": stated["guarantee"]}
     return {
         **stated, "notion": notion, "steps": summary["step"],
         "unit_statement": unit_statement(summary), "noise_statement": noise_statement(stated["noise"]),
@@ -410,7 +413,10 @@ def _privacy_section(p: dict[str, Any]) -> list[str]:
     from .registry import trust_statement
 
     lines = ["## Privacy guarantee", ""]
-    if not p["guarantee"]:
+    if p.get("nonprivate"):
+        lines += ["**NOT a privacy guarantee.** Some releases of this run were not private (a `none` privatizer, "
+                  "or no noise): the ledger charges them as non-private, and its ε is infinite.", ""]
+    elif not p["guarantee"]:
         lines += [f"**NOT a privacy guarantee.** The noise is {p['noise_statement']}.", ""]
     if p["stopped"]:
         lines += [f"The run stopped early, at step {p['steps']}: {p['stopped']}.", ""]

@@ -183,7 +183,7 @@ def _summary(run: Run, metrics: dict[str, float], t0: float, *, written: bool = 
         **{k: spent[k] for k in ("unit", "users", "max_examples_per_user", "user_mechanism", "user_selection",
                                  "example_level") if k in spent},
         "noise": run.rng.noise_mode,
-        "guarantee": run.rng.guarantee,
+        "guarantee": run.guarantee,
         "third_party_stages": third_party(entry for entry, _ in run.recipe.stages.values()),
         "metrics": metrics,
         "wall_seconds": time.time() - t0,

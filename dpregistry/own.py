@@ -70,17 +70,28 @@ def _user_ids(users: Any, n: int) -> np.ndarray:
     def refuse(message: str, row: int | None = None) -> UserError:
         return UserError(message + (f" (example {row})" if row is not None else ""), key="users")
 
+    if isinstance(users, (str, bytes, dict, set, frozenset)) or not hasattr(users, "__len__"):
+        # a dict would give its keys, a text its characters, a set no order
+        raise refuse(f"users must be a sequence of user ids in the order of train_data (a list, an array or a "
+                     f"tensor), got {type(users).__name__}")
     values = users.detach().cpu().numpy() if isinstance(users, torch.Tensor) else users
     values = values if isinstance(values, np.ndarray) else np.asarray(list(values), dtype=object)
     if values.ndim != 1 or len(values) != n:
         raise refuse(f"users must hold one user id per training example ({n}), got shape {values.shape}")
-    if values.dtype.kind == "f" or (values.dtype == object and any(isinstance(v, float) for v in values)):
+    if values.dtype == object:  # missing ids as None (pandas gives NA, or NaN in a column of texts)
+        values = np.array([None if _missing(v) else v for v in values], dtype=object)
+        if any(isinstance(v, float) for v in values):
+            raise refuse("users must be integers or texts, not floats (a feature column passed by mistake?)")
+    elif values.dtype.kind == "f":
         raise refuse("users must be integers or texts, not floats (a feature column passed by mistake?)")
     try:
-        column = pa.array(values.tolist() if values.dtype == object else values)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+        return user_numbers(pa.array(values.tolist() if values.dtype == object else values), "users", refuse)
+    except (pa.ArrowException, OverflowError) as e:
         raise refuse(f"users must be integers or texts, one kind for all ({str(e).splitlines()[0][:120]})") from None
-    return user_numbers(column, "users", refuse)
+
+
+def _missing(v: Any) -> bool:
+    return v is None or type(v).__name__ == "NAType" or (isinstance(v, float) and v != v)
 
 
 def _indexable(data: Any, what: str) -> Any:
@@ -144,28 +155,31 @@ def _shares_rows(train: Any, held_out: Any) -> bool:
 
 def _arrow_rows(data: Any, rows: list[int] | None) -> dict[int, np.ndarray] | None:
     """The Arrow rows a datasets.Dataset (``rows`` of it, or all) reads, by the memory they are
-    in: {address of a chunk's buffer: positions in that buffer}. ``select``, ``shuffle``,
-    ``train_test_split`` and ``with_format`` make new Datasets over the same memory, so a held-out
-    set made from the training set is seen whatever object it is."""
+    in: {address of a buffer of one of its columns: the rows' positions in that column's chunk}.
+    ``select``, ``shuffle``, ``train_test_split``, ``with_format`` and ``remove_columns`` make new
+    Datasets over the same memory, so a held-out set made from the training set is seen whatever
+    object it is, and whichever of its columns it kept (a struct column, an image, holds its
+    values in its children's buffers: every buffer counts). Two memory maps of one cache file are
+    other memory, and are not seen."""
     import sys
 
     datasets = sys.modules.get("datasets")
-    if datasets is None or not isinstance(data, datasets.Dataset) or data.data.table.num_columns == 0:
+    if datasets is None or not isinstance(data, datasets.Dataset):
         return None
-    buffer, position = [], []
-    for chunk in data.data.table.column(0).chunks:
-        held = chunk.buffers()
-        if len(held) < 2 or held[1] is None:  # no values of its own (all null): where its rows live is unknown
-            return None
-        buffer.append(np.full(len(chunk), held[1].address))
-        position.append(np.arange(chunk.offset, chunk.offset + len(chunk)))
-    buffer, position = np.concatenate(buffer), np.concatenate(position)
+    table = data.data.table
     picked = data._indices.column(0).to_numpy() if data._indices is not None else None
-    if picked is not None:
-        buffer, position = buffer[picked], position[picked]
-    if rows is not None:
-        buffer, position = buffer[rows], position[rows]
-    return {int(b): position[buffer == b] for b in np.unique(buffer)}
+    keep = picked if rows is None else (np.asarray(rows) if picked is None else picked[rows])
+    out: dict[int, list[np.ndarray]] = {}
+    for column in table.columns:
+        start = 0
+        for chunk in column.chunks:
+            mine = np.arange(start, start + len(chunk))
+            start += len(chunk)
+            held = mine if keep is None else np.intersect1d(mine, keep)
+            for buffer in chunk.buffers():
+                if buffer is not None and buffer.size:
+                    out.setdefault(buffer.address, []).append(held - mine[0] + chunk.offset if len(mine) else held)
+    return {b: np.concatenate(p) for b, p in out.items()}
 
 
 class OwnObjective(TorchObjective):

@@ -759,26 +759,41 @@ def check_forward_is_pure(model: nn.Module) -> None:
 
 class StateWatch:
     """Refuse a forward that writes the model's state from the data it sees (a running mean of its
-    own, a "largest value seen" buffer): the written values leave the run without noise, in the
-    model it returns and exports. Made when the model is built, before any forward on private
-    data; ``check`` runs one more forward (from the run's random state, restored) and compares:
-    buffers by value, parameters by their in-place version counter."""
+    own, a "largest value seen" buffer or frozen parameter): the written values leave the run
+    without noise, in the model it returns and exports. Made when the model is built, before any
+    forward on private data; ``check`` runs one more forward (from the run's random state,
+    restored) and compares: buffers by value; parameters, without a copy, by their version counter
+    (an in-place write) and a float64 sum and norm (a write through ``.data`` leaves the counter
+    alone). A lazy module's parameters and buffers, uninitialised until the first forward sets
+    their shape, are not compared."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        self.params = {name: (p._version, p.data_ptr()) for name, p in model.named_parameters()}
+        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not _lazy(b)}
+        self.params = {name: _fingerprint(p) for name, p in model.named_parameters() if not _lazy(p)}
 
     def check(self, forward: Callable[[], Any], device: torch.device) -> None:
         with _random_state_kept(device), torch.no_grad():
             forward()
         for name, b in self.model.named_buffers():
-            old = self.buffers.get(name)
-            if old is None or old.shape != b.shape or old.dtype != b.dtype or not _equal_nan(old, b):
+            old = self.buffers.get(name, b)
+            if old.shape != b.shape or old.dtype != b.dtype or not _equal_nan(old, b):
                 raise _written("buffer", name)
         for name, p in self.model.named_parameters():
-            if self.params.get(name) != (p._version, p.data_ptr()):
+            if name in self.params and self.params[name] != _fingerprint(p):
                 raise _written("parameter", name)
+
+
+def _lazy(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.parameter.UninitializedTensorMixin)
+
+
+def _fingerprint(p: torch.Tensor) -> tuple:
+    with torch.no_grad():
+        d = p.detach()
+        values = (float(torch.sum(d, dtype=torch.float64)), float(torch.linalg.vector_norm(d, dtype=torch.float64))) \
+            if d.is_floating_point() else (d.sum().item(),)
+    return p._version, p.data_ptr(), values
 
 
 def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -789,7 +804,7 @@ def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _written(kind: str, name: str) -> UserError:
     return UserError(f"the model's forward writes its {kind} {name} from the examples it sees: the written values "
                      "would leave the run without noise (in the model it returns and exports); keep the model's state "
-                     "fixed in its forward (compute such statistics outside the model)")
+                     "fixed in its forward (compute such statistics outside the model)", key="model")
 
 
 def probe_indices(n_train: int, micro_batch_size: int | None = None, m: int = 8) -> torch.Tensor:

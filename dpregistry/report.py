@@ -14,7 +14,7 @@ from .files import read_regular
 from .folder import read_metrics, released_after
 from .ledger_file import LedgerFile, extends
 from .privacy.accountant import Accountant, Budget, Ledger, make_accountant
-from .privacy.events import PrivacyEvent
+from .privacy.events import NonPrivate, PrivacyEvent, nodes
 from .registry import trust_statement
 from .rng import noise_statement
 from .users import els_group, example_budget, unit_statement, user_epsilon
@@ -97,7 +97,7 @@ def spent_curve(acc: Accountant, ledger: Ledger, points: int = 25,
 
 
 #: what a plot of a reproducible run's ε says under its title
-NO_GUARANTEE = "\nreproducible noise: this ε is not a privacy guarantee"
+NO_GUARANTEE = "\nthis ε is not a privacy guarantee (reproducible noise, or a non-private release)"
 
 
 def recomputed(recipe: dict[str, Any], entries: list[dict[str, Any]]):
@@ -181,7 +181,9 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
         "relation": privacy["relation"], "epsilon": spent.get("epsilon"), "delta": privacy.get("delta"),
         "target_epsilon": privacy.get("epsilon"), "rho": spent.get("rho"), "target_rho": spent.get("target_rho"),
         "noise_multiplier": meta.get("noise_multiplier"), "charges": acc.ledger.n_charges,
-        "noise": privacy.get("noise"), "guarantee": privacy.get("noise") != "reproducible",
+        "noise": privacy.get("noise"),
+        "guarantee": privacy.get("noise") != "reproducible" and not any(
+            isinstance(leaf, NonPrivate) for ev in acc.ledger.events for leaf in nodes(ev)),
         "unit": privacy.get("unit", "example"),
         "ledger": ledger, "spent_label": label, "spent_over_steps": curve,
         "epsilon_over_steps": curve if acc.budget.delta is not None else [],
@@ -295,8 +297,7 @@ def write_report(run_dir: Path) -> list[Path]:
               f"| δ | {_num(rep['delta'])} |"]
     if summary.get("rho") is not None or recipe["privacy"].get("rho") is not None:
         lines += [f"| ρ spent | {_num(rep['rho'])} |", f"| target ρ | {_num(recipe['privacy'].get('rho'))} |"]
-    stated = {"unit": rep["unit"], "relation": rep["relation"], **(summary or {}),
-              "guarantee": recipe["privacy"].get("noise") != "reproducible"}
+    stated = {"unit": rep["unit"], "relation": rep["relation"], **(summary or {}), "guarantee": rep["guarantee"]}
     lines += [f"| accountant | {rep['accountant']} |", f"| neighbouring relation | {rep['relation']} |",
               f"| noise multiplier | {_num(rep['noise_multiplier'])} |", f"| steps | {rep['step']} |",
               f"| noise | {recipe['privacy'].get('noise')}: {noise_statement(recipe['privacy'].get('noise'))} |",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -24,7 +25,7 @@ from .distributed import LocalComm
 from .errors import BudgetExhausted, UserError
 from .persample import StateWatch, probe_indices
 from .privacy.accountant import Budget
-from .privacy.events import PoissonSampled, PrivacyEvent, SampledWithoutReplacement, nodes
+from .privacy.events import NonPrivate, PoissonSampled, PrivacyEvent, SampledWithoutReplacement, nodes
 from .recipe import SECTIONS, Recipe
 from .rng import RunRNG
 from .spaces import Contribution
@@ -67,8 +68,7 @@ class Run:
         self.history: list[dict[str, Any]] = []     # logged rows
         self.bytes_logged = 0                       # payload bytes sent by the last logged row
         self._sampled_charge_step: int | None = None  # see charge()
-        self._declared_step: int | None = None         # see check_charged()
-        self._read_batch_step: int | None = None
+        self._read_batch_step: int | None = None       # see check_charged()
 
         def make(kind):
             entry, params = recipe.stages[kind]
@@ -83,6 +83,18 @@ class Run:
         self.accountant = make("accountant")
         self.algorithm.stages = Stages(self.objective, self.sampler, self.estimator, self.privatizer,
                                        self.update_rule, self.accountant)
+        # What each step releases, against what it charges (check_charged): the algorithm calls the
+        # privatizer's release itself, so the run listens on it.
+        self._released: Counter = Counter()
+        self._charged: Counter = Counter()
+        release = self.privatizer.release
+
+        def recorded(*args, **kwargs) -> Release:
+            out = release(*args, **kwargs)
+            self._released.update(out.events)
+            return out
+
+        self.privatizer.release = recorded
         # User-level runs (dpregistry.users): user-level sampling (ULS) reads the users a sampler
         # draws; any other sampler draws examples among the kept ones (ELS), and group privacy of
         # size k turns the accountant's example-level budget into the user-level one.
@@ -168,6 +180,7 @@ class Run:
     def begin_step(self) -> Context:
         """The context of the step about to be taken (its noise calls and displacement start afresh)."""
         self._ctx = self.context()
+        self._released, self._charged = Counter(), Counter()
         return self._ctx
 
     def _providers(self) -> dict[type, Any]:
@@ -308,11 +321,10 @@ class Run:
         for kind, stage in self.stages.items():
             self._section = SECTION_OF[kind]
             stage.validate(self.ctx)
+        self._section = None
         if watch is not None:
-            self._section = "objective"
             probe = probe_indices(self.objective.n_train, self.recipe.train.micro_batch_size)
             watch.check(lambda: self.objective.losses(probe), self.device)
-        self._section = None
         if self.budget.rho is not None and not self.accountant.budgets_rho:
             raise self.recipe.error(f"privacy.rho is a zCDP budget, which the {self.accountant.name} accountant "
                                     f"cannot enforce; use accountant zcdp, or give the budget as privacy.epsilon "
@@ -405,21 +417,25 @@ class Run:
                                    f"Run.charge call")
             self._sampled_charge_step = self.step
         self.accountant.charge(charges, self.step)
-        if events:
-            self._declared_step = self.step
+        self._charged.update(events)
         return charges
 
     def check_charged(self, ctx: Context) -> None:
         """After each step: one that read its batch or drew noise released something about the
-        data, and must have charged its events (an empty ``Release.events``, or an algorithm that
-        never calls ``charge``, would leave ε at 0). The sampler may still charge nothing for them
-        (a shuffled epoch's later steps, covered by parallel composition at its first)."""
-        released = self._read_batch_step == self.step or ctx._services.calls > 0
-        if released and self._declared_step != self.step and not self.privatizer.prepaid(ctx):
-            raise RuntimeError(f"algorithm {self.algorithm.name!r} (privatizer {self.privatizer.name!r}) "
-                               f"{'privatized a batch' if self._read_batch_step == self.step else 'drew noise'} "
-                               f"at step {self.step} but charged nothing: every release pays with privacy "
-                               f"events (NonPrivate for a non-private one)")
+        data, and must have charged events for it (an empty ``Release.events``, or an algorithm
+        that never calls ``charge``, would leave ε at 0), among them every event its releases
+        stated (a noisy norm released and left uncharged beside a charged gradient). The sampler
+        may still charge nothing for them (a shuffled epoch's later steps, covered by parallel
+        composition at its first)."""
+        who = f"algorithm {self.algorithm.name!r} (privatizer {self.privatizer.name!r})"
+        if uncharged := self._released - self._charged:
+            raise RuntimeError(f"{who} released {', '.join(e.describe() for e in uncharged.elements())} at step "
+                               f"{self.step} without charging it: charge every release's events")
+        read = self._read_batch_step == self.step
+        if (read or ctx._services.calls > 0) and not self._charged and not self.privatizer.prepaid(ctx):
+            raise RuntimeError(f"{who} {'privatized a batch' if read else 'drew noise'} at step {self.step} but "
+                               f"charged nothing: every release pays with privacy events (NonPrivate for a "
+                               f"non-private one)")
 
     def privatize_batch(self, indices: torch.Tensor) -> ClippedSum:
         """Clip-and-sum every contribution of this rank's shard, and combine across ranks.
@@ -429,6 +445,11 @@ class Run:
         total: ClippedSum | None = None
         gathered = False
         self._read_batch_step = self.step
+        drawn_from = len(self.users.members) if self.group > 1 else self.objective.n_train  # ELS: the kept ones
+        if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= drawn_from or
+                             len(torch.unique(indices)) != len(indices)):
+            raise RuntimeError(f"sampler {self.sampler.name!r}: a batch holds a record twice or one outside the "
+                               f"{drawn_from} records; each record is in a batch at most once")
         if self.users is not None and self.group > 1:  # ELS: the sampler drew among the kept records
             indices = self.users.members[indices]
         shard = self.comm.shard(indices)
@@ -466,6 +487,13 @@ class Run:
             return None
         return user_epsilon(lambda d: self.accountant.epsilon(d, extra=extra), self.group, self.target.delta,
                             self.budget.delta)
+
+    @property
+    def guarantee(self) -> bool:
+        """Whether the reported ε is a privacy guarantee: secret noise, and no release charged as
+        non-private (a ``none`` privatizer: ε is infinite)."""
+        return self.rng.guarantee and not any(isinstance(leaf, NonPrivate) for event in self.accountant.ledger.events
+                                              for leaf in nodes(event))
 
     def planned_epsilon(self) -> float:
         """ε of the whole planned run (the ledger and the rest of the plan), in the recipe's unit."""

@@ -182,7 +182,8 @@ def unit_statement(summary: dict) -> str:
     add/remove ε covers a replacement only at twice its ε."""
     change = {"replace_one": "replacing", "add_remove": "adding or removing"}.get(summary.get("relation"))
     change = change or "changing (the neighbouring relation was not recorded)"
-    holds = "would hold, were the noise secret," if summary.get("guarantee") is False else "holds"
+    holds = "would hold, were every release private with secret noise," if summary.get("guarantee") is False \
+        else "holds"
     if summary.get("unit") != "user":
         return f"one example: the guarantee {holds} for {change} one training example"
     k, users = summary.get("max_examples_per_user"), summary.get("users")

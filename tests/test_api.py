@@ -374,6 +374,31 @@ def test_a_forward_that_writes_the_models_state_is_refused_before_step_1(write):
         dpregistry.train(RECIPE, model=WritesState(write), loss=per_example, train_data=train, verbose=False)
 
 
+class WritesThroughData(torch.nn.Module):
+    """A frozen parameter written through ``.data`` in forward: its version counter stays."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 10)
+        self.largest = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
+
+    def forward(self, x):
+        self.largest.data.copy_(torch.maximum(self.largest.data, x.max(0).values))
+        return self.linear(x)
+
+
+def test_a_parameter_written_through_data_is_refused_and_a_lazy_module_trains():
+    """Review 16: a write through ``.data`` passed the version-counter check (the model kept the
+    private column maxima), and a lazy layer's uninitialised parameter crashed the snapshot."""
+    _, train, _ = own()
+    with pytest.raises(UserError, match="forward writes its parameter largest"):
+        dpregistry.train(RECIPE, model=WritesThroughData(), loss=per_example, train_data=train, verbose=False)
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(10))
+    r = dpregistry.train(dict(RECIPE, train={"steps": 2}), model=lazy, loss=per_example, train_data=train,
+                         verbose=False)
+    assert r.summary["step"] == 2
+
+
 def test_a_loss_that_no_parameter_reaches_is_refused():
     """Review 14: a loss of detached outputs trained on noise alone, every clipped fraction 0."""
     model, train, _ = own()
@@ -384,9 +409,11 @@ def test_a_loss_that_no_parameter_reaches_is_refused():
 
 @pytest.mark.parametrize("users, says", [
     ([None] + [1] * 599, "no user in users"), ([1.0] * 600, "not floats"), (torch.zeros(300, 2), "shape (300, 2)"),
-    ([True, False] * 300, "bool"), (["a", 1] * 300, "one kind for all")])
+    ([True, False] * 300, "bool"), (["a", 1] * 300, "one kind for all"),
+    ({i: i // 20 for i in range(600)}, "a sequence of user ids"), ("ab" * 300, "a sequence of user ids")])
 def test_bad_user_ids_are_one_line_errors(users, says):
-    """Review 14: text ids, None, object arrays and 2-D ids escaped as torch's errors, or were flattened."""
+    """Review 14: text ids, None, object arrays and 2-D ids escaped as torch's errors, or were flattened;
+    review 16: a dict gave its keys (one user per example), a text its characters."""
     model, train, _ = own()
     recipe = dict(RECIPE, privacy={"epsilon": 4.0, "delta": 1e-5, "unit": "user", "max_examples_per_user": 2})
     with pytest.raises(UserError, match=re.escape(says)) as e:
@@ -421,7 +448,8 @@ def test_held_out_rows_of_the_training_hugging_face_dataset_are_refused():
     def loss(model, batch):
         return F.cross_entropy(model(batch["pixels"].float()), batch["label"], reduction="none")
 
-    for held_out in (ds.select(range(250, 300)), ds.shuffle(seed=1), ds.with_format("numpy")):
+    for held_out in (ds.select(range(250, 300)), ds.shuffle(seed=1), ds.with_format("numpy"),
+                     ds.select(range(250, 300)).select_columns(["label", "pixels"])):  # reordered (review 16)
         with pytest.raises(UserError, match="eval_data holds training examples"):
             dpregistry.train(RECIPE, model=torch.nn.Linear(64, 10), loss=loss, train_data=ds.select(range(260)),
                              eval_data=held_out, verbose=False)

@@ -79,6 +79,31 @@ class ChargeTwice(NoCharge):
         return StepResult({})
 
 
+class OneOfTwo(NoCharge):
+    """Two releases of one batch (a noisy norm, then the gradient), only the second charged."""
+
+    name = "one_of_two"
+
+    def step(self, run):
+        ctx = run.ctx
+        total = run.privatize_batch(run.sampler.indices(ctx))
+        run.privatizer.release(run.privatize_batch(run.sampler.indices(ctx)), ctx)
+        release = run.privatizer.release(total, ctx)
+        run.charge(release.events)
+        run.update_rule.apply(ctx.params, release, ctx)
+        return StepResult({})
+
+
+class RecordTwice(shipped("sampler", "poisson")):
+    """The shipped Poisson sampler, but its batch holds its first record twice."""
+
+    name = "record_twice"
+
+    def indices(self, ctx):
+        drawn = super().indices(ctx)
+        return torch.cat([drawn, drawn[:1]])
+
+
 class QuietPoisson(shipped("sampler", "poisson")):
     """The shipped Poisson sampler, without its word that the batch must stay secret."""
 
@@ -108,13 +133,15 @@ class Outside(shipped("estimator", "per_example_grad")):
 @pytest.mark.parametrize("over, stages, refusal", [
     ({"privatizer": {"name": "silent_gaussian", "clip": 1.0, "noise_multiplier": 1.0}}, [SilentGaussian],
      "privatized a batch at step 0 but charged nothing"),
-    ({"algorithm": "no_charge"}, [NoCharge], "privatized a batch at step 0 but charged nothing"),
+    ({"algorithm": "no_charge"}, [NoCharge], r"released gaussian\(.*\) at step 0 without charging it"),
+    ({"algorithm": "one_of_two"}, [OneOfTwo], r"released gaussian\(.*\) at step 0 without charging it"),
+    ({"sampler": {"name": "record_twice", "batch_size": 16}}, [RecordTwice], "a batch holds a record twice"),
     ({"algorithm": "charge_twice"}, [ChargeTwice], "charged step 0 twice on a 'poisson' batch"),
     ({"algorithm": "charge_twice", "sampler": {"name": "quiet_poisson", "batch_size": 16}}, [ChargeTwice, QuietPoisson],
      "charged step 0 twice on a 'quiet_poisson' batch"),
     ({"estimator": {"name": "twice"}}, [Twice], "contributions cover other records than the"),
     ({"estimator": {"name": "outside"}}, [Outside], "contributions cover other records than the"),
-], ids=["empty events", "no charge", "charged twice", "charged twice, sampler silent", "rows twice",
+], ids=["empty events", "no charge", "one release of two charged", "a record twice in the batch", "charged twice", "charged twice, sampler silent", "rows twice",
         "a record outside the batch"])
 def test_a_stage_that_breaks_the_contract_stops_the_run_before_its_step_counts(over, stages, refusal, tmp_path):
     """Each ran to the end before: ε printed 0 for the first two (true: 3 at z = 5.2), the honest
@@ -202,3 +229,14 @@ def test_the_epsilon_names_the_third_party_stages_it_rests_on(tmp_path):
     write_report(out)
     report = (out / "report" / "report.md").read_text()
     assert "| third-party stages | privatizer honest_gaussian (third-party 0 (tp)): the ε holds only if" in report
+
+
+def test_a_run_with_a_non_private_release_is_no_guarantee(tmp_path):
+    """Review 16: a run of the `none` privatizer (its ledger charges every step as non-private, ε is
+    infinite) said "the guarantee holds", and its summary said guarantee: true."""
+    from dpregistry.users import unit_statement
+
+    summary = make_run(dp_sgd(privatizer={"name": "none"}, privacy={"delta": 1e-3}), tmp_path).train()
+    assert summary["guarantee"] is False and summary["noise"] == "secure"
+    assert "the guarantee would hold, were every release private with secret noise" in unit_statement(summary)
+

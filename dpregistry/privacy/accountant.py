@@ -71,6 +71,11 @@ class Ledger:
         return {p: +c for p, c in out.items()}
 
     @property
+    def events(self) -> list[PrivacyEvent]:
+        """The distinct events charged, in order of their entries."""
+        return list(self._events)
+
+    @property
     def n_charges(self) -> int:
         return sum(e["count"] for e in self.entries)
 
