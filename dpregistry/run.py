@@ -69,6 +69,7 @@ class Run:
         self.bytes_logged = 0                       # payload bytes sent by the last logged row
         self._sampled_charge_step: int | None = None  # see charge()
         self._read_batch_step: int | None = None       # see check_charged()
+        self._checked_batch: tuple | None = None       # see privatize_batch()
 
         def make(kind):
             entry, params = recipe.stages[kind]
@@ -446,10 +447,13 @@ class Run:
         gathered = False
         self._read_batch_step = self.step
         drawn_from = len(self.users.members) if self.group > 1 else self.objective.n_train  # ELS: the kept ones
-        if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= drawn_from or
-                             len(torch.unique(indices)) != len(indices)):
-            raise RuntimeError(f"sampler {self.sampler.name!r}: a batch holds a record twice or one outside the "
-                               f"{drawn_from} records; each record is in a batch at most once")
+        # a batch passed again unchanged (a KL algorithm's full batch, 10⁷ records) is checked once
+        checked = self._checked_batch
+        if checked is None or checked[0] is not indices or checked[1] != indices._version:
+            if len(indices) and not _each_once(indices, drawn_from):
+                raise RuntimeError(f"sampler {self.sampler.name!r}: a batch holds a record twice or one outside "
+                                   f"the {drawn_from} records; each record is in a batch at most once")
+            self._checked_batch = (indices, indices._version)
         if self.users is not None and self.group > 1:  # ELS: the sampler drew among the kept records
             indices = self.users.members[indices]
         shard = self.comm.shard(indices)
@@ -600,6 +604,16 @@ class Run:
             raise UserError(f"the ranks resumed from different checkpoints ({here}rank 0: step {first[0]}"
                             f"{'' if differs else '; another rank differs'}); every rank must read the same run "
                             f"folder")
+
+
+def _each_once(indices: torch.Tensor, n: int) -> bool:
+    """Whether ``indices`` are distinct records among ``n``: a mask, not a sort (a KL full batch
+    is 10⁷ records a step)."""
+    if int(indices.min()) < 0 or int(indices.max()) >= n:
+        return False
+    seen = torch.zeros(n, dtype=torch.bool, device=indices.device)
+    seen[indices] = True
+    return int(seen.sum()) == len(indices)
 
 
 AMPLIFIED = (PoissonSampled, SampledWithoutReplacement)  # events amplified by a secret batch

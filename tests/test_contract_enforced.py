@@ -189,7 +189,8 @@ def test_the_unit_statement_names_the_relation_that_was_accounted(relation, says
     stated = unit_statement(summary)
     assert says in stated and never not in stated and "the guarantee holds" in stated
     # reproducible noise: the ε is no guarantee, and the unit line does not say one holds (review 15)
-    assert "the guarantee would hold, were the noise secret," in unit_statement({**summary, "guarantee": False})
+    assert "the guarantee would hold, were every release private with secret noise," in unit_statement(
+        {**summary, "guarantee": False})
     user = unit_statement({**summary, "unit": "user", "users": 10, "max_examples_per_user": 2})
     assert ("adding or removing all the data" if relation == "add_remove" else "replacing all the data") in user
 
