@@ -442,7 +442,7 @@ def privacy_report(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="
                                                        help="steps at which to recompute ε")] = 25,
                    as_json: Json = False):
     """The privacy ledger of a run: events, ε over steps, the accountant, and a PNG plot."""
-    from .report import ledger_rows, privacy_report as build
+    from .report import ledger_rows, privacy_report as build, unit_line
 
     with user_errors():
         if not 1 <= points <= MAX_POINTS:
@@ -467,11 +467,7 @@ def privacy_report(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="
         from .rng import noise_statement
 
         console.print(f"noise {rep['noise']}: {noise_statement(rep['noise'])}")
-    from .users import unit_statement
-
-    stated = {"unit": rep.get("unit"), "relation": rep.get("relation"), **(rep.get("summary") or {}),
-              "guarantee": rep["guarantee"]}
-    console.print(f"privacy unit: {unit_statement(stated)}")
+    console.print(f"privacy unit: {unit_line(rep)}")
     if rep.get("noise_multiplier") is not None:
         console.print(f"noise multiplier {rep['noise_multiplier']:.6g}")
     t = Table("steps", "count", "partition", "event", title="ledger (entries alike on one row; --json lists each)")

@@ -75,14 +75,14 @@ def guarantee(summary: dict[str, Any], recipe: dict[str, Any], ledger: list[dict
     """The privacy guarantee of a model as its run stated it, recomputing nothing: ε, δ, the unit,
     the noise mode and multiplier from the run's summary; the sampling and the charges from its
     ledger; the clip and the data set from its resolved recipe."""
-    from .privacy.events import NonPrivate, PrivacyEvent, nodes
+    from .privacy.events import PrivacyEvent, any_nonprivate
     from .rng import noise_statement
     from .users import unit_statement
 
     events = [PrivacyEvent.from_dict(e["event"]) for e in ledger]
     stated = {k: summary.get(k) for k in STATED}
     stated["unit"] = stated["unit"] or "example"  # runs from before user-level DP
-    stated["nonprivate"] = any(isinstance(leaf, NonPrivate) for ev in events for leaf in nodes(ev))
+    stated["nonprivate"] = any_nonprivate(events)
     stated["guarantee"] = bool(stated["guarantee"]) and not stated["nonprivate"]
     summary = {**summary, "guarantee": stated["guarantee"]}
     return {

@@ -14,7 +14,7 @@ from .files import read_regular
 from .folder import read_metrics, released_after
 from .ledger_file import LedgerFile, extends
 from .privacy.accountant import Accountant, Budget, Ledger, make_accountant
-from .privacy.events import NonPrivate, PrivacyEvent, nodes
+from .privacy.events import PrivacyEvent, any_nonprivate
 from .registry import trust_statement
 from .rng import noise_statement
 from .users import els_group, example_budget, unit_statement, user_epsilon
@@ -182,14 +182,20 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
         "target_epsilon": privacy.get("epsilon"), "rho": spent.get("rho"), "target_rho": spent.get("target_rho"),
         "noise_multiplier": meta.get("noise_multiplier"), "charges": acc.ledger.n_charges,
         "noise": privacy.get("noise"),
-        "guarantee": privacy.get("noise") != "reproducible" and not any(
-            isinstance(leaf, NonPrivate) for ev in acc.ledger.events for leaf in nodes(ev)),
+        "guarantee": privacy.get("noise") != "reproducible" and not any_nonprivate(acc.ledger.events),
         "unit": privacy.get("unit", "example"),
         "ledger": ledger, "spent_label": label, "spent_over_steps": curve,
         "epsilon_over_steps": curve if acc.budget.delta is not None else [],
         "plot": str(plot_path) if plot_path else None,
         "recipe": recipe, "summary": summary if summary.get("step") == step else {},
     }
+
+
+def unit_line(rep: dict[str, Any]) -> str:
+    """:func:`unit_statement` of a :func:`privacy_report`: its run's summary where it has one, its
+    own unit and relation otherwise, and the guarantee as the report established it."""
+    return unit_statement({"unit": rep["unit"], "relation": rep["relation"], **(rep.get("summary") or {}),
+                           "guarantee": rep["guarantee"]})
 
 
 def ledger_rows(ledger: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -297,11 +303,10 @@ def write_report(run_dir: Path) -> list[Path]:
               f"| δ | {_num(rep['delta'])} |"]
     if summary.get("rho") is not None or recipe["privacy"].get("rho") is not None:
         lines += [f"| ρ spent | {_num(rep['rho'])} |", f"| target ρ | {_num(recipe['privacy'].get('rho'))} |"]
-    stated = {"unit": rep["unit"], "relation": rep["relation"], **(summary or {}), "guarantee": rep["guarantee"]}
     lines += [f"| accountant | {rep['accountant']} |", f"| neighbouring relation | {rep['relation']} |",
               f"| noise multiplier | {_num(rep['noise_multiplier'])} |", f"| steps | {rep['step']} |",
               f"| noise | {recipe['privacy'].get('noise')}: {noise_statement(recipe['privacy'].get('noise'))} |",
-              f"| privacy unit | {unit_statement(stated)} |",
+              f"| privacy unit | {unit_line(rep)} |",
               *([f"| third-party stages | {trust_statement(summary['third_party_stages'])} |"]
                 if (summary or {}).get("third_party_stages") else []), ""]
     lines += ["Charges (the privacy ledger):", ""]

@@ -25,7 +25,7 @@ from .distributed import LocalComm
 from .errors import BudgetExhausted, UserError
 from .persample import StateWatch, probe_indices
 from .privacy.accountant import Budget
-from .privacy.events import NonPrivate, PoissonSampled, PrivacyEvent, SampledWithoutReplacement, nodes
+from .privacy.events import PoissonSampled, PrivacyEvent, SampledWithoutReplacement, any_nonprivate, nodes
 from .recipe import SECTIONS, Recipe
 from .rng import RunRNG
 from .spaces import Contribution
@@ -496,8 +496,7 @@ class Run:
     def guarantee(self) -> bool:
         """Whether the reported ε is a privacy guarantee: secret noise, and no release charged as
         non-private (a ``none`` privatizer: ε is infinite)."""
-        return self.rng.guarantee and not any(isinstance(leaf, NonPrivate) for event in self.accountant.ledger.events
-                                              for leaf in nodes(event))
+        return self.rng.guarantee and not any_nonprivate(self.accountant.ledger.events)
 
     def planned_epsilon(self) -> float:
         """ε of the whole planned run (the ledger and the rest of the plan), in the recipe's unit."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterable, Iterator
 
 RELATIONS = ("replace_one", "add_remove")
 
@@ -273,3 +273,9 @@ class NonPrivate(PrivacyEvent):
 
     def describe(self) -> str:
         return "non-private"
+
+
+def any_nonprivate(events: Iterable[PrivacyEvent]) -> bool:
+    """Whether any of ``events``, or an event they compose, is a :class:`NonPrivate` release: a run
+    that charged one has an infinite ε and states no guarantee."""
+    return any(isinstance(node, NonPrivate) for event in events for node in nodes(event))
