@@ -353,7 +353,6 @@ def _train(run, verbose: bool, console=None) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     console = console or Console()
-    caveat = "" if run.rng.guarantee else " (no guarantee: reproducible noise)"
     state = {"t0": time.time(), "s0": run.step, "loss": float("nan"), "eps": run.epsilon()}
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[loss]}"),
@@ -369,6 +368,8 @@ def _train(run, verbose: bool, console=None) -> dict[str, Any]:
                 state["eps"] = r.history[-1].get("epsilon")
             rate = (r.step - state["s0"]) / max(time.time() - state["t0"], 1e-9)
             eps = state["eps"]
+            caveat = "" if r.guarantee else " (no guarantee: " + (
+                "reproducible noise)" if not r.rng.guarantee else "a non-private release)")
             prog.update(task, completed=r.step, rate=f"{rate:6.1f} steps/s", loss=f"loss {state['loss']:.4g}",
                         eps="ε -" if eps is None else f"ε {eps:.3g}{caveat}")
 

@@ -166,13 +166,14 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
     curve = spent_curve(acc, acc.ledger, points, in_unit)
     label = "ρ spent" if acc.budget.delta is None else "ε spent"
     target = spent.get("target_rho") if acc.budget.delta is None else privacy.get("epsilon")
+    guarantee = privacy.get("noise") != "reproducible" and not any_nonprivate(acc.ledger.events)
     plot_path = None
     if plot and curve:
         plot_path = run_dir / PLOT_NAME
         _plot(plot_path, [(label, *_from_step_0(curve))],
               f"{recipe['algorithm']['name']}: privacy spent ({acc.name}, "
               f"{privacy['relation'].replace('_', '-')})"
-              + (NO_GUARANTEE if privacy.get("noise") == "reproducible" else ""),
+              + ("" if guarantee else NO_GUARANTEE),
               {label: target} if target is not None and math.isfinite(target) else None)
     ledger = [dict(e, describe=PrivacyEvent.from_dict(e["event"]).describe()) for e in acc.ledger.to_json()]
     return {
@@ -182,7 +183,7 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
         "target_epsilon": privacy.get("epsilon"), "rho": spent.get("rho"), "target_rho": spent.get("target_rho"),
         "noise_multiplier": meta.get("noise_multiplier"), "charges": acc.ledger.n_charges,
         "noise": privacy.get("noise"),
-        "guarantee": privacy.get("noise") != "reproducible" and not any_nonprivate(acc.ledger.events),
+        "guarantee": guarantee,
         "unit": privacy.get("unit", "example"),
         "ledger": ledger, "spent_label": label, "spent_over_steps": curve,
         "epsilon_over_steps": curve if acc.budget.delta is not None else [],

@@ -643,13 +643,32 @@ class _Rows:
     def check(self) -> None:
         batch = self.batch.reshape(-1).cpu()
         if self.named and sum(len(i) for i in self.named) == self.rows:  # every row names its record
-            same = torch.equal(torch.cat(self.named).sort().values, batch.sort().values)
+            named = torch.cat(self.named)
+            if torch.equal(named.sort().values, batch.sort().values):
+                return
+            extra, missing = _excess(named, batch), _excess(batch, named)
+            found = "; ".join([f"more rows than the batch holds for {_listed(extra)}"] * bool(extra)
+                              + [f"no row for {_listed(missing)}"] * bool(missing))
+        elif self.rows == len(batch):
+            return
         else:
-            same = self.rows == len(batch)
-        if not same:
-            raise RuntimeError(f"estimator {self.estimator!r}: its contributions cover other records than the "
-                               f"{len(batch)} of the batch it was given ({self.rows} rows); each record of the "
-                               f"batch contributes once and no other record at all")
+            found = f"{self.rows} rows"
+        raise RuntimeError(f"estimator {self.estimator!r}: its contributions cover other records than the "
+                           f"{len(batch)} of the batch it was given ({found}); each record of the "
+                           f"batch contributes once and no other record at all")
+
+
+def _excess(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    """The records that ``a`` holds more often than ``b`` (counted with multiplicity)."""
+    values, counts = torch.cat([a, b]).unique(return_counts=True)
+    in_a = torch.zeros_like(counts)
+    in_a.index_add_(0, torch.searchsorted(values, a), torch.ones_like(a, dtype=counts.dtype))
+    return values[in_a > counts - in_a].tolist()
+
+
+def _listed(records: list[int], most: int = 5) -> str:
+    shown = ", ".join(map(str, records[:most])) + (", …" if len(records) > most else "")
+    return f"record{'s' * (len(records) > 1)} {shown}"
 
 
 def _describe_data(record: dict[str, Any]) -> str:

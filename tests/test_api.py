@@ -3,6 +3,7 @@ Python snippets run verbatim."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -469,3 +470,28 @@ def test_a_model_trained_again_in_place_is_warned_about(capfd):
     dpregistry.train(dict(RECIPE, train={"steps": 2}), model=model, loss=per_example, train_data=train, verbose=False)
     err = capfd.readouterr().err
     assert "already trained by dpregistry.train in this process (ε = " in err and "copy.deepcopy(model)" in err
+
+
+def test_a_model_that_a_failed_run_trained_is_warned_about_too(capfd):
+    """Review 16: a run that failed after some private steps (out of memory on a larger Poisson
+    batch, say) had trained the module in place and left it unmarked, so the retry said nothing."""
+    model, train, _ = own()
+    w0 = model[0].weight.detach().clone()
+    calls = {"n": 0, "fail_after": float("inf")}
+
+    def failing_later(out, target):
+        calls["n"] += 1
+        if calls["n"] > calls["fail_after"]:
+            raise MemoryError("simulated: out of memory at a later step")
+        return per_example(out, target)
+
+    recipe = dict(RECIPE, train={"steps": 2})
+    dpregistry.train(recipe, model=copy.deepcopy(model), loss=failing_later, train_data=train, verbose=False)
+    calls.update(n=0, fail_after=calls["n"])  # the calls of preparing and two steps: the third fails
+    with pytest.raises(MemoryError):
+        dpregistry.train(dict(RECIPE, train={"steps": 4}), model=model, loss=failing_later, train_data=train,
+                         verbose=False)
+    assert not torch.equal(w0, model[0].weight.detach())  # it took steps before it failed
+    capfd.readouterr()
+    dpregistry.train(dict(RECIPE, train={"steps": 2}), model=model, loss=per_example, train_data=train, verbose=False)
+    assert "already trained by dpregistry.train in this process (ε = " in capfd.readouterr().err

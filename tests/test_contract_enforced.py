@@ -130,6 +130,16 @@ class Outside(shipped("estimator", "per_example_grad")):
         yield from super().contributions(objective, torch.cat([indices, indices.new_zeros(1)]), ctx)
 
 
+class Swapped(shipped("estimator", "per_example_grad")):
+    """A batch's first record replaced by one from outside it (as many rows as the batch)."""
+
+    name = "swapped"
+
+    def contributions(self, objective, indices, ctx):
+        outside = next(i for i in range(len(indices) + 1) if i not in indices.tolist())
+        yield from super().contributions(objective, torch.cat([indices.new_tensor([outside]), indices[1:]]), ctx)
+
+
 @pytest.mark.parametrize("over, stages, refusal", [
     ({"privatizer": {"name": "silent_gaussian", "clip": 1.0, "noise_multiplier": 1.0}}, [SilentGaussian],
      "privatized a batch at step 0 but charged nothing"),
@@ -141,8 +151,9 @@ class Outside(shipped("estimator", "per_example_grad")):
      "charged step 0 twice on a 'quiet_poisson' batch"),
     ({"estimator": {"name": "twice"}}, [Twice], "contributions cover other records than the"),
     ({"estimator": {"name": "outside"}}, [Outside], "contributions cover other records than the"),
+    ({"estimator": {"name": "swapped"}}, [Swapped], r"more rows than the batch holds for record \d+; no row for record \d+\)"),
 ], ids=["empty events", "no charge", "one release of two charged", "a record twice in the batch", "charged twice", "charged twice, sampler silent", "rows twice",
-        "a record outside the batch"])
+        "a record outside the batch", "a record swapped for one outside"])
 def test_a_stage_that_breaks_the_contract_stops_the_run_before_its_step_counts(over, stages, refusal, tmp_path):
     """Each ran to the end before: ε printed 0 for the first two (true: 3 at z = 5.2), the honest
     run's for the others (true 13.96 against 12.41 printed for a batch charged twice with the
@@ -240,4 +251,27 @@ def test_a_run_with_a_non_private_release_is_no_guarantee(tmp_path):
     summary = make_run(dp_sgd(privatizer={"name": "none"}, privacy={"delta": 1e-3}), tmp_path).train()
     assert summary["guarantee"] is False and summary["noise"] == "secure"
     assert "the guarantee would hold, were every release private with secret noise" in unit_statement(summary)
+
+
+def test_a_non_private_release_is_named_under_the_plot_and_beside_the_progress_bars_epsilon(tmp_path, monkeypatch):
+    """The privacy report's plot title and the progress bar's ε decided "no guarantee" from the noise
+    mode alone, so a secret-noise run of the `none` privatizer drew and printed ε = inf unqualified."""
+    from rich.console import Console
+
+    from dpregistry import report
+    from dpregistry.api import _train
+
+    titles = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: titles.append(fig._suptitle.get_text()))
+    out = tmp_path / "out"
+    run = make_run(dp_sgd(privatizer={"name": "none"}, privacy={"delta": 1e-3},
+                          train={"steps": 4, "progress": True}), tmp_path, out=out)
+    console = Console(record=True, width=200)
+    _train(run, verbose=True, console=console)
+    assert "(no guarantee: a non-private release)" in console.export_text()
+    report.privacy_report(out)
+    assert report.NO_GUARANTEE in titles[-1]
+    make_run(dp_sgd(), tmp_path, out=tmp_path / "private").train()
+    report.privacy_report(tmp_path / "private")
+    assert report.NO_GUARANTEE not in titles[-1]
 
