@@ -63,7 +63,7 @@ class ZOTwoPointVector(Estimator):
             mids.append(mid)
         values = torch.stack(cols, 1)
         yield VectorZOContribution(values=values, directions=dirs, params=dict(ctx.params),
-                                   losses=torch.stack(mids, 1).mean(1))
+                                   losses=torch.stack(mids, 1).mean(1), indices=indices)
 
 
 ESTIMATORS = (ZOTwoPointVector,)

@@ -68,10 +68,12 @@ def per_record(objective, params: dict[str, torch.Tensor], indices: torch.Tensor
     return grads, losses, None
 
 
-def contribution(grads, losses, counts, kind=GRADIENT, info=None) -> DenseContribution:
+def contribution(grads, losses, counts, indices, kind=GRADIENT, info=None) -> DenseContribution:
+    """The rows of one record each name it (the run checks them against the batch); a grouped row
+    stands for ``counts[i]`` records, checked by their number."""
     info = info or {}
     if counts is None:
-        return DenseContribution(per_example=grads, losses=losses, kind=kind, info=info)
+        return DenseContribution(per_example=grads, losses=losses, kind=kind, info=info, indices=indices)
     return GroupedDenseContribution(grads, counts, losses=losses, kind=kind, info=info)
 
 
@@ -83,7 +85,7 @@ class FullBatchGrad(Estimator):
 
     def contributions(self, objective, indices, ctx):
         grads, losses, counts = per_record(objective, ctx.params, indices)
-        yield contribution(grads, losses, counts)
+        yield contribution(grads, losses, counts, indices)
 
 
 class SpiderFullBatch(Estimator):
@@ -118,7 +120,7 @@ class SpiderFullBatch(Estimator):
         prev = self.state.prev
         if prev is None:
             self.state.prev = here
-            yield contribution(grads, losses, counts, kind=GRADIENT)
+            yield contribution(grads, losses, counts, indices, kind=GRADIENT)
             return
         old, _, _ = per_record(objective, prev, indices)
         moved = float(torch.sqrt(sum(((here[k] - prev[k]).double() ** 2).sum() for k in here)))
@@ -130,7 +132,7 @@ class SpiderFullBatch(Estimator):
                                f"rule's step bound {bound!r}")
         self.state.prev = here
         diffs = {k: grads[k] - old[k] for k in grads}
-        yield contribution(diffs, losses, counts, kind=INCREMENT, info={"step_bound": float(bound)})
+        yield contribution(diffs, losses, counts, indices, kind=INCREMENT, info={"step_bound": float(bound)})
 
 
 ESTIMATORS = (FullBatchGrad, SpiderFullBatch)

@@ -191,7 +191,7 @@ class OracleEstimator(Estimator):
             per, losses = self._increment(x, prev, indices, ctx)
         self.state.prev = x
         yield DenseContribution(per_example=self.view.unflatten(per), kind=self.contribution_kind, losses=losses,
-                                info={"bound": R, "gamma": gamma, "fresh": fresh, "gap": gap})
+                                indices=indices, info={"bound": R, "gamma": gamma, "fresh": fresh, "gap": gap})
 
     # -- helpers ---------------------------------------------------------------------------------
 
