@@ -69,7 +69,7 @@ class Run:
         self.bytes_logged = 0                       # payload bytes sent by the last logged row
         self._sampled_charge_step: int | None = None  # see charge()
         self._read_batch_step: int | None = None       # see check_charged()
-        self._checked_batch: tuple | None = None       # see privatize_batch()
+        self._checked_batch: torch.Tensor | None = None  # see privatize_batch()
 
         def make(kind):
             entry, params = recipe.stages[kind]
@@ -432,6 +432,11 @@ class Run:
         if uncharged := self._released - self._charged:
             raise RuntimeError(f"{who} released {', '.join(e.describe() for e in uncharged.elements())} at step "
                                f"{self.step} without charging it: charge every release's events")
+        if self._charged and not self.accountant.ledger.entries:
+            # parallel composition lets a sampler charge nothing at a later step of its epoch or
+            # period, never at the first step that released
+            raise RuntimeError(f"sampler {self.sampler.name!r} charged nothing for the releases of step {self.step} "
+                               f"(account() returned no charge), and the ledger holds none before them")
         read = self._read_batch_step == self.step
         if (read or ctx._services.calls > 0) and not self._charged and not self.privatizer.prepaid(ctx):
             raise RuntimeError(f"{who} {'privatized a batch' if read else 'drew noise'} at step {self.step} but "
@@ -447,13 +452,14 @@ class Run:
         gathered = False
         self._read_batch_step = self.step
         drawn_from = len(self.users.members) if self.group > 1 else self.objective.n_train  # ELS: the kept ones
-        # a batch passed again unchanged (a KL algorithm's full batch, 10⁷ records) is checked once
+        # a batch passed again unchanged (a KL algorithm's full batch, 10⁷ records) is checked once;
+        # "unchanged" by its values (a write through .data or a NumPy view keeps the version counter)
         checked = self._checked_batch
-        if checked is None or checked[0] is not indices or checked[1] != indices._version:
+        if checked is None or checked.shape != indices.shape or not torch.equal(checked, indices):
             if len(indices) and not _each_once(indices, drawn_from):
                 raise RuntimeError(f"sampler {self.sampler.name!r}: a batch holds a record twice or one outside "
                                    f"the {drawn_from} records; each record is in a batch at most once")
-            self._checked_batch = (indices, indices._version)
+            self._checked_batch = indices.clone()
         if self.users is not None and self.group > 1:  # ELS: the sampler drew among the kept records
             indices = self.users.members[indices]
         shard = self.comm.shard(indices)
@@ -634,6 +640,10 @@ class _Rows:
             raise TypeError(f"estimator {self.estimator!r}: contributions() yields Contributions "
                             f"(dpregistry.spaces), got {type(contrib).__name__}")
         self.rows += contrib.n_records
+        if contrib.indices is None and contrib.batch_size and type(contrib).n_records is Contribution.n_records:
+            raise RuntimeError(f"estimator {self.estimator!r}: a contribution of {contrib.batch_size} rows names no "
+                               f"records; set its indices (the training record of each row) so that the run can "
+                               f"check that each record of the batch contributes once")
         if contrib.indices is not None:
             if len(contrib.indices) != contrib.batch_size:
                 raise RuntimeError(f"estimator {self.estimator!r}: a contribution of {contrib.batch_size} rows names "
@@ -644,7 +654,7 @@ class _Rows:
         batch = self.batch.reshape(-1).cpu()
         if self.named and sum(len(i) for i in self.named) == self.rows:  # every row names its record
             named = torch.cat(self.named)
-            if torch.equal(named.sort().values, batch.sort().values):
+            if _same_records(named, batch):
                 return
             extra, missing = _excess(named, batch), _excess(batch, named)
             found = "; ".join([f"more rows than the batch holds for {_listed(extra)}"] * bool(extra)
@@ -656,6 +666,21 @@ class _Rows:
         raise RuntimeError(f"estimator {self.estimator!r}: its contributions cover other records than the "
                            f"{len(batch)} of the batch it was given ({found}); each record of the "
                            f"batch contributes once and no other record at all")
+
+
+def _same_records(named: torch.Tensor, batch: torch.Tensor) -> bool:
+    """Whether ``named`` holds each record of ``batch`` (distinct records) once and nothing else:
+    masks, not sorts (a KL full batch is 10⁷ records)."""
+    if len(named) != len(batch):
+        return False
+    if not len(batch):
+        return True
+    if int(named.min()) < 0:
+        return False
+    n = max(int(named.max()), int(batch.max())) + 1
+    in_batch = torch.zeros(n, dtype=torch.bool)
+    in_batch[batch] = True
+    return _each_once(named, n) and bool(in_batch[named].all())
 
 
 def _excess(a: torch.Tensor, b: torch.Tensor) -> list[int]:

@@ -217,8 +217,9 @@ class Charge:
     count: int = 1
 
     def __post_init__(self):
-        if not (isinstance(self.count, numbers.Integral) and self.count >= 0):  # a negative count would un-charge
-            raise ValueError(f"a charge count must be an integer >= 0, got {self.count}")
+        # a negative count would un-charge, and a count of 0 charge nothing for a step that released
+        if not (isinstance(self.count, numbers.Integral) and self.count >= 1):
+            raise ValueError(f"a charge count must be an integer >= 1, got {self.count}")
 
 
 class Sampler(Stage):

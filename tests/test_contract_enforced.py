@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import make_run
-from dpregistry import Algorithm, StagePlugin
+from dpregistry import Algorithm, Charge, StagePlugin
 from dpregistry.registry import Registry, get_registry
 from dpregistry.stages import StepResult
 
@@ -104,6 +104,53 @@ class RecordTwice(shipped("sampler", "poisson")):
         return torch.cat([drawn, drawn[:1]])
 
 
+class Refilled(shipped("sampler", "poisson")):
+    """One buffer refilled in place through ``.data`` (its version counter stays): from step 1 on,
+    its first record twice."""
+
+    name = "refilled"
+
+    def indices(self, ctx):
+        drawn = super().indices(ctx)
+        if ctx.step == 0:
+            self.buffer = drawn.clone()
+        else:
+            self.buffer.data[1:] = self.buffer.data[:1]
+        return self.buffer
+
+
+class ZeroCount(shipped("sampler", "poisson")):
+    """Its charges counted as a whole number of epochs a step: 0."""
+
+    name = "zero_count"
+
+    def account(self, step, events, ctx):
+        return [Charge(c.event, c.partition, int(ctx.step / 100)) for c in super().account(step, events, ctx)]
+
+    def account_steps(self, steps, events, ctx):  # the plan, honestly
+        return [Charge(c.event, c.partition, c.count * len(steps)) for c in super().account(steps[0], events, ctx)]
+
+
+class ChargesNothing(shipped("sampler", "poisson")):
+    """Says every step is covered by an earlier charge that never was."""
+
+    name = "charges_nothing"
+
+    def account(self, step, events, ctx):
+        return []
+
+
+class Unnamed(shipped("estimator", "per_example_grad")):
+    """The shipped estimator's rows, without the records they come from."""
+
+    name = "unnamed"
+
+    def contributions(self, objective, indices, ctx):
+        for c in super().contributions(objective, indices, ctx):
+            c.indices = None
+            yield c
+
+
 class QuietPoisson(shipped("sampler", "poisson")):
     """The shipped Poisson sampler, without its word that the batch must stay secret."""
 
@@ -151,18 +198,33 @@ class Swapped(shipped("estimator", "per_example_grad")):
      "charged step 0 twice on a 'quiet_poisson' batch"),
     ({"estimator": {"name": "twice"}}, [Twice], "contributions cover other records than the"),
     ({"estimator": {"name": "outside"}}, [Outside], "contributions cover other records than the"),
+    ({"sampler": {"name": "zero_count", "batch_size": 16}}, [ZeroCount], "a charge count must be an integer >= 1"),
+    ({"sampler": {"name": "charges_nothing", "batch_size": 16}}, [ChargesNothing],
+     "sampler 'charges_nothing' charged nothing for the releases of step 0"),
+    ({"estimator": {"name": "unnamed"}}, [Unnamed], "a contribution of \\d+ rows names no records"),
     ({"estimator": {"name": "swapped"}}, [Swapped], r"more rows than the batch holds for record \d+; no row for record \d+\)"),
 ], ids=["empty events", "no charge", "one release of two charged", "a record twice in the batch", "charged twice", "charged twice, sampler silent", "rows twice",
-        "a record outside the batch", "a record swapped for one outside"])
+        "a record outside the batch", "a charge of count 0", "no charge from the sampler",
+        "rows that name no records", "a record swapped for one outside"])
 def test_a_stage_that_breaks_the_contract_stops_the_run_before_its_step_counts(over, stages, refusal, tmp_path):
     """Each ran to the end before: ε printed 0 for the first two (true: 3 at z = 5.2), the honest
     run's for the others (true 13.96 against 12.41 printed for a batch charged twice with the
     sampler's ``amplifies`` unset; 6.64 against 3 for rows yielded twice). Now the first step is
     refused, and nothing it released is kept: the ledger holds only what was charged before."""
     run = make_run(dp_sgd(**over), tmp_path, registry=with_stages(*stages))
-    with pytest.raises(RuntimeError, match=refusal):
+    with pytest.raises((RuntimeError, ValueError), match=refusal):
         run.train()
     assert run.step == 0
+
+
+def test_a_batch_rewritten_in_place_is_checked_again(tmp_path):
+    """Review 17: the each-record-once check ran again only for a new tensor or a new version
+    counter, and a write through ``.data`` (or a NumPy view) keeps the counter: a sampler that
+    refilled one buffer with a record four times was charged as a batch without one (ε 22.89)."""
+    run = make_run(dp_sgd(sampler={"name": "refilled", "batch_size": 16}), tmp_path, registry=with_stages(Refilled))
+    with pytest.raises(RuntimeError, match="a batch holds a record twice"):
+        run.train()
+    assert run.step == 1
 
 
 def test_the_checks_pass_the_shipped_stages(tmp_path):
