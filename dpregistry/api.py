@@ -15,6 +15,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
+import weakref
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,16 @@ class Result:
         from .export import export_objective, guarantee
 
         run = self.run
+        mark = getattr(run.objective.module(), TRAINED, None)
+        if mark is not None and mark.run() is not run:
+            raise UserError(f"this model was trained again in place after this run ({mark.spent} by the later run): "
+                            f"its weights are not this run's output, and this run's ε is not theirs; pass "
+                            f"copy.deepcopy(model) to each run", key="model")
+        if mark is not None and mark.before:
+            raise UserError(f"this model had been trained in place by another run before this one "
+                            f"({'; '.join(mark.before)}): its weights carry the privacy cost of every run, and a "
+                            f"card can state this run's ε alone; pass copy.deepcopy(model) to each run, or "
+                            f"continue one run with dpregistry.resume", key="model")
         if run.comm.rank != 0:
             return Path(to)
         privacy = guarantee(self.summary, run.recipe.data, self.ledger, run.accountant.notion)
@@ -243,7 +254,7 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
 
     provides = _own_objects(model, loss, train_data, eval_data, metrics, users)
     if before := getattr(model, TRAINED, None):
-        _warn(f"warning: this model was already trained by dpregistry.train in this process ({before}); it trains on "
+        _warn(f"warning: this model was already trained by dpregistry.train in this process ({before.spent}); it trains on "
               f"in place, and this run's ε covers this run alone: the model's privacy cost is the composition of "
               f"both (pass copy.deepcopy(model) to train from the same start)")
     with process_group() as comm:
@@ -266,13 +277,28 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
                 summary = _train(run, verbose and (comm is None or comm.rank == 0), console)
             finally:  # a run that failed after some steps trained the module too (out of memory, say)
                 if model is not None and run.step > 0:
-                    eps = run.epsilon()
-                    setattr(model, TRAINED, f"ε = {eps:.4g}" if eps is not None else f"{run.step} private steps")
+                    _mark(model, run, before=(before.before + (before.spent,)) if before else ())
     return _unless_stopped(Result(run, summary, out_dir))
 
 
-#: set on a module that dpregistry.train trained in place: what that run spent
+#: set on a module that dpregistry.train or resume trained in place: a :class:`Trained`
 TRAINED = "_dpregistry_trained"
+
+
+@dataclass(frozen=True)
+class Trained:
+    """The run whose output a module holds (weakly: the module must not keep a run alive), what
+    it spent, in words, and what the runs that trained the module before it spent."""
+
+    run: weakref.ref
+    spent: str
+    before: tuple[str, ...] = ()
+
+
+def _mark(model, run, before: tuple[str, ...] = ()) -> None:
+    eps = run.epsilon()
+    spent = f"ε = {eps:.4g}" if eps is not None else f"{run.step} private steps"
+    setattr(model, TRAINED, Trained(weakref.ref(run), spent, before))
 
 
 def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: int | None = None, model=None,
@@ -299,14 +325,18 @@ def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: in
             with saying(say if rank0 else None):
                 r = resume_run(run_dir, comm=comm, warn=(warn or _warn) if rank0 else (lambda m: None),
                                max_nonfinite_steps=max_nonfinite_steps, provides=provides)
-            if r.algorithm.done(r.ctx):
-                if rank0:
-                    say(f"the run already finished at step {r.step}")
-                summary = finish(r, time.time())
-            else:
-                if rank0:
-                    say(f"resuming {run_dir} at step {r.step} of {r.total_steps}; spent so far: {spent(r)}")
-                summary = _train(r, verbose and rank0, console)
+            try:
+                if r.algorithm.done(r.ctx):
+                    if rank0:
+                        say(f"the run already finished at step {r.step}")
+                    summary = finish(r, time.time())
+                else:
+                    if rank0:
+                        say(f"resuming {run_dir} at step {r.step} of {r.total_steps}; spent so far: {spent(r)}")
+                    summary = _train(r, verbose and rank0, console)
+            finally:  # the module holds the checkpoint's weights, and this run's steps
+                if model is not None:
+                    _mark(model, r)
     return _unless_stopped(Result(r, summary, run_dir))
 
 

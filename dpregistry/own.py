@@ -20,6 +20,8 @@ layer they cannot serve is refused before step 1, naming the layer. The model ru
 
 from __future__ import annotations
 
+import numbers
+
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -74,16 +76,22 @@ def _user_ids(users: Any, n: int) -> np.ndarray:
         # a dict would give its keys, a text its characters, a set no order
         raise refuse(f"users must be a sequence of user ids in the order of train_data (a list, an array or a "
                      f"tensor), got {type(users).__name__}")
-    values = users.detach().cpu().numpy() if isinstance(users, torch.Tensor) else users
-    values = values if isinstance(values, np.ndarray) else np.asarray(list(values), dtype=object)
+    not_floats = "users must be integers or texts, not floats (a feature column passed by mistake?)"
+    values = users if isinstance(users, (np.ndarray, torch.Tensor)) else np.asarray(list(users), dtype=object)
     if values.ndim != 1 or len(values) != n:
-        raise refuse(f"users must hold one user id per training example ({n}), got shape {values.shape}")
+        raise refuse(f"users must hold one user id per training example ({n}), got shape {tuple(values.shape)}")
+    if isinstance(values, torch.Tensor):
+        if values.is_floating_point() or values.is_complex():  # bfloat16 has no NumPy form
+            raise refuse(not_floats)
+        values = values.detach().cpu().numpy()
     if values.dtype == object:  # missing ids as None (pandas gives NA, or NaN in a column of texts)
         values = np.array([None if _missing(v) else v for v in values], dtype=object)
-        if any(isinstance(v, float) for v in values):
-            raise refuse("users must be integers or texts, not floats (a feature column passed by mistake?)")
-    elif values.dtype.kind == "f":
-        raise refuse("users must be integers or texts, not floats (a feature column passed by mistake?)")
+        for row, v in enumerate(values):  # NumPy's and Decimal's floats too: each kind is an id or a refusal
+            if not (v is None or isinstance(v, str) or (isinstance(v, numbers.Integral) and not isinstance(v, bool))):
+                raise refuse(not_floats if isinstance(v, (numbers.Number, np.floating)) and not isinstance(v, bool)
+                             else f"users must be integers or texts, got {type(v).__name__}", row)
+    elif values.dtype.kind in "fc":
+        raise refuse(not_floats)
     try:
         return user_numbers(pa.array(values.tolist() if values.dtype == object else values), "users", refuse)
     except (pa.ArrowException, OverflowError) as e:

@@ -8,8 +8,10 @@ import json
 import os
 import re
 import signal
+from decimal import Decimal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -411,10 +413,14 @@ def test_a_loss_that_no_parameter_reaches_is_refused():
 @pytest.mark.parametrize("users, says", [
     ([None] + [1] * 599, "no user in users"), ([1.0] * 600, "not floats"), (torch.zeros(300, 2), "shape (300, 2)"),
     ([True, False] * 300, "bool"), (["a", 1] * 300, "one kind for all"),
-    ({i: i // 20 for i in range(600)}, "a sequence of user ids"), ("ab" * 300, "a sequence of user ids")])
+    ({i: i // 20 for i in range(600)}, "a sequence of user ids"), ("ab" * 300, "a sequence of user ids"),
+    ([np.float32(i // 2) for i in range(600)], "not floats"), ([Decimal(i // 2) for i in range(600)], "not floats"),
+    (torch.arange(600).to(torch.bfloat16), "not floats")],
+    ids=["None", "floats", "2-D", "bools", "mixed kinds", "a dict", "a text", "NumPy floats", "Decimals", "bfloat16"])
 def test_bad_user_ids_are_one_line_errors(users, says):
     """Review 14: text ids, None, object arrays and 2-D ids escaped as torch's errors, or were flattened;
-    review 16: a dict gave its keys (one user per example), a text its characters."""
+    review 16: a dict gave its keys (one user per example), a text its characters; review 17: NumPy
+    floats and Decimals were taken as ids, and a bfloat16 tensor raised a TypeError."""
     model, train, _ = own()
     recipe = dict(RECIPE, privacy={"epsilon": 4.0, "delta": 1e-5, "unit": "user", "max_examples_per_user": 2})
     with pytest.raises(UserError, match=re.escape(says)) as e:

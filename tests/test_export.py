@@ -498,6 +498,31 @@ def test_own_model_export(tmp_path):
         plain.export(tmp_path / "plain")
 
 
+def test_a_model_trained_by_two_runs_is_exported_by_neither(tmp_path):
+    """Review 17: the module trains in place; after a second run on it, each Result's export wrote
+    a card with its own run's ε (0.9995) for weights that both runs trained (composed: 1.408). A
+    copy per run exports, and a resumed run's Result exports what its checkpoint continued."""
+    import copy
+
+    model, _, data, loss = tiny_bert_task(40)
+    recipe = {"algorithm": "dp_sgd", "sampler": {"batch_size": 8}, "update": {"lr": 0.1},
+              "privacy": {"epsilon": 4.0, "delta": 1e-3}, "train": {"steps": 2, "progress": False}}
+    start = copy.deepcopy(model)
+    first = dpregistry.train(recipe, model=model, loss=loss, train_data=data, verbose=False)
+    second = dpregistry.train(recipe, model=model, loss=loss, train_data=data, verbose=False)
+    with pytest.raises(dpregistry.UserError, match="trained again in place after this run"):
+        first.export(tmp_path / "first")
+    with pytest.raises(dpregistry.UserError, match=r"trained in place by another run before this one \(ε = "):
+        second.export(tmp_path / "second")
+    assert not (tmp_path / "first").exists() and not (tmp_path / "second").exists()
+    alone = dpregistry.train(recipe, model=copy.deepcopy(start), loss=loss, train_data=data, out=tmp_path / "run",
+                             verbose=False)
+    assert (alone.export(tmp_path / "alone") / "README.md").exists()
+    resumed = dpregistry.resume(tmp_path / "run", model=model, loss=loss, train_data=data, verbose=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), alone.model.state_dict().values()))
+    assert (resumed.export(tmp_path / "resumed") / "README.md").exists()  # the checkpoint's weights, not both runs'
+
+
 @pytest.mark.parametrize("sampler,mechanism,clipped", [({"name": "poisson", "batch_size": 8}, "els", "example"),
                                                       ({"name": "user_poisson", "users_per_step": 4}, "uls", "user")])
 def test_a_user_level_card_states_the_users_and_k_as_the_run_did(tmp_path, sampler, mechanism, clipped):
