@@ -391,10 +391,12 @@ def _train(run, verbose: bool, console=None) -> dict[str, Any]:
         task = prog.add_task(run.algorithm.name, total=run.total_steps, completed=run.step, rate="", loss="",
                              eps="")
 
-        def update(r, metrics):
+        def update(r, metrics, spent=None):
             if "loss" in metrics:
                 state["loss"] = metrics["loss"]
-            if r.history and r.history[-1]["step"] == r.step:
+            if spent is not None:
+                state["eps"] = spent
+            elif r.history and r.history[-1]["step"] == r.step:
                 state["eps"] = r.history[-1].get("epsilon")
             rate = (r.step - state["s0"]) / max(time.time() - state["t0"], 1e-9)
             eps = state["eps"]
@@ -414,4 +416,6 @@ def _train(run, verbose: bool, console=None) -> dict[str, Any]:
                 prog.remove_task(sub)
 
         with showing(tracker):
-            return run.train(progress=update)
+            summary = run.train(progress=update)
+        update(run, {}, spent=summary.get("epsilon"))  # a signal may stop the run between two logged rows
+        return summary

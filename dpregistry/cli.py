@@ -248,8 +248,7 @@ def export(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="folder o
            to: Annotated[Path, typer.Option("--to", metavar="DIR", help="the folder to write (new or empty)")],
            merge: Annotated[bool, flag("--merge", "LoRA: merge the adapters into the base weights")] = False,
            overwrite: Annotated[bool, flag("--overwrite", "replace what --to holds")] = False):
-    """Write the run's model as a Hugging Face folder (config, model.safetensors, tokenizer; LoRA as a
-    peft adapter) with a model card (README.md) that states its privacy guarantee."""
+    """Write the run's model as a Hugging Face folder, with a model card that states its privacy guarantee."""
     from .export import CARD, export_run_folder
 
     with user_errors():
@@ -466,7 +465,7 @@ def privacy_report(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="
     if rep.get("noise"):
         from .rng import noise_statement
 
-        console.print(f"noise {rep['noise']}: {noise_statement(rep['noise'])}")
+        console.print(f"noise: {noise_statement(rep['noise'])} (privacy.noise: {rep['noise']})")
     console.print(f"privacy unit: {unit_line(rep)}")
     if rep.get("noise_multiplier") is not None:
         console.print(f"noise multiplier {rep['noise_multiplier']:.6g}")

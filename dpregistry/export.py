@@ -438,7 +438,7 @@ def _privacy_section(p: dict[str, Any]) -> list[str]:
     lines += [f"| accountant | {p['accountant']} ({NOTIONS.get(p['notion'], p['notion'])}) |",
               f"| neighbouring relation | {RELATIONS.get(p['relation'], p['relation'])} |",
               f"| privacy unit | {p['unit_statement']} |",
-              f"| noise | {p['noise']}: {p['noise_statement']} |",
+              f"| noise | {p['noise_statement']} (privacy.noise: {p['noise']}) |",
               *([f"| third-party stages | {trust_statement(p['third_party_stages'])} |"] if p.get("third_party_stages")
                 else []),
               f"| steps | {p['steps']} |",

@@ -306,7 +306,7 @@ def write_report(run_dir: Path) -> list[Path]:
         lines += [f"| ρ spent | {_num(rep['rho'])} |", f"| target ρ | {_num(recipe['privacy'].get('rho'))} |"]
     lines += [f"| accountant | {rep['accountant']} |", f"| neighbouring relation | {rep['relation']} |",
               f"| noise multiplier | {_num(rep['noise_multiplier'])} |", f"| steps | {rep['step']} |",
-              f"| noise | {recipe['privacy'].get('noise')}: {noise_statement(recipe['privacy'].get('noise'))} |",
+              f"| noise | {noise_statement(recipe['privacy'].get('noise'))} (privacy.noise: {recipe['privacy'].get('noise')}) |",
               f"| privacy unit | {unit_line(rep)} |",
               *([f"| third-party stages | {trust_statement(summary['third_party_stages'])} |"]
                 if (summary or {}).get("third_party_stages") else []), ""]

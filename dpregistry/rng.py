@@ -128,7 +128,7 @@ class RunRNG:
 
 def noise_statement(mode: str) -> str:
     """What the noise mode means for the reported ε, in words (summary, report, model card)."""
-    return {"secure": "secret: drawn under a fresh key from the operating system's entropy, never stored",
-            "keyed": "secret: drawn under the key in DPREG_NOISE_KEY (reproducible only with that key)",
+    return {"secure": "secret, drawn under a fresh key from the operating system's entropy, never stored",
+            "keyed": "secret, drawn under the key in DPREG_NOISE_KEY (reproducible only with that key)",
             "reproducible": "reproducible from the recipe seed: the ε is NOT a privacy guarantee, since anyone "
                             "with the recipe can regenerate the noise and subtract it"}[mode]

@@ -146,6 +146,29 @@ def test_a_signal_stops_a_python_caller_after_the_run_is_saved(sig, tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model_b.parameters()))
 
 
+def test_the_progress_bar_ends_on_what_a_stopped_run_spent(tmp_path):
+    """Review 15: after Ctrl-C the bar showed the ε of the last logged row, not of the last step."""
+    from rich.console import Console
+
+    calls = {"n": 0}
+
+    def loss(out, t):
+        calls["n"] += len(t) > 8
+        if calls["n"] == 3 and len(t) > 8:
+            os.kill(os.getpid(), signal.SIGINT)
+        return per_example(out, t)
+
+    model, train, _ = own()
+    console = Console(record=True, width=200)
+    with pytest.raises(dpregistry.Stopped) as stop:
+        dpregistry.train(dict(RECIPE, train={"steps": 20, "log_every": 10}), model=model, loss=loss,
+                         train_data=train, out=tmp_path / "b", console=console)
+    eps = stop.value.result.epsilon
+    assert stop.value.result.summary["step"] < 10 and eps > 0  # stopped before the first logged row
+    bar = console.export_text()
+    assert f" {stop.value.result.summary['step']}/20 " in bar and f" ε {eps:.3g} (no guarantee" in bar
+
+
 def test_a_loss_of_model_and_batch_serves_any_example_shape():
     x, y = digits()
     rows = [{"pixels": x[i], "label": y[i]} for i in range(300)]

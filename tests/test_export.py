@@ -172,7 +172,7 @@ def test_the_model_card_states_the_runs_guarantee(minilm):
     assert p["dataset"].startswith(str(SST2_SUBSET))   # the recipe's data folder (and its train file, if named)
     rows = card_table(card)
     assert rows["accountant"] == "rdp (Rényi DP)" and rows["neighbouring relation"].startswith("replace-one")
-    assert rows["privacy unit"].startswith("one example") and rows["noise"].startswith("secure: secret")
+    assert rows["privacy unit"].startswith("one example") and rows["noise"].startswith("secret, drawn under a fresh key")
     assert (rows["sample rate"], rows["clip (per-example L2 norm)"]) == ("0.25 (Poisson)", "1.0")
     assert rows["data set"] == p["dataset"]
     assert f"| accuracy | {result.metrics['accuracy']!r} |" in card

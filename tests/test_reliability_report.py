@@ -90,7 +90,7 @@ def test_the_markdown_states_what_summary_json_holds(finished):
     assert num(p["δ"]) == s["delta"] == 1e-3
     assert p["accountant"] == s["accountant"] == "rdp" and p["neighbouring relation"] == s["relation"]
     assert num(p["noise multiplier"]) == pytest.approx(s["noise_multiplier"], rel=1e-5)
-    assert int(p["steps"]) == s["step"] == 12 and p["noise"].startswith("reproducible: ")
+    assert int(p["steps"]) == s["step"] == 12 and p["noise"].endswith("(privacy.noise: reproducible)")
     assert "NOT a privacy guarantee" in p["noise"]
     m = table(md, "Held-out metrics (final)")
     assert set(m) == set(s["metrics"]) and s["metrics"]
