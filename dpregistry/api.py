@@ -174,8 +174,14 @@ def load_recipe(recipe: str | Path | dict, sets=None, *, own: bool = False):
         data, locs = copy.deepcopy(recipe), {}
         for s in sets:
             _apply_set(data, locs, s)
-        return resolve(data, locs, get_registry(), source="<recipe>")
-    return load(find_recipe(str(recipe)), sets)
+        r = resolve(data, locs, get_registry(), source="<recipe>")
+    else:
+        r = load(find_recipe(str(recipe)), sets)
+    if own and not any(s.strip().startswith("objective") for s in sets[1:]):
+        # what the objective refuses is the model, loss or data given to train(), not a --set
+        for path in (("objective",), ("objective", "name")):
+            r.locs[path] = ("dpregistry.train", None)
+    return r
 
 
 # ------------------------------------------------------------------------------------------------

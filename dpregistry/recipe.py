@@ -507,6 +507,7 @@ def _pydantic_error(e: ValidationError, prefix: tuple, locs: dict, model: type[B
         msg = f"unknown key{f'; did you mean {close[0]!r}?' if close else ''} (allowed: {', '.join(fields)})"
     elif err["type"] == "missing":
         msg = "required key is missing"
+    msg = re.sub(r"(^| or )(Value|Assertion) error, ", r"\1", msg)  # pydantic's prefix for a validator's own message
     where = _where(locs, prefix + loc)
     where.setdefault("file", file)
     return UserError(msg, **where)
@@ -596,7 +597,7 @@ def resolve(data: dict[str, Any], locs: dict[tuple, Loc], registry: Registry, so
 
     if isinstance(data.get("privacy"), dict) and "secure_noise" in data["privacy"]:
         write = "noise: secure (the default)" if data["privacy"]["secure_noise"] else "noise: reproducible"
-        raise UserError(f"privacy.secure_noise was replaced by privacy.noise: secure | keyed | reproducible; "
+        raise UserError(f"replaced by privacy.noise: secure | keyed | reproducible; "
                         f"write privacy.{write}", **{"file": file, **_where(locs, ("privacy", "secure_noise"))})
     try:
         privacy = PrivacySection.model_validate(data.get("privacy") or {})

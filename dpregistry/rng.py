@@ -56,7 +56,7 @@ def key_from_env(text: str | None) -> bytes:
     """The 256-bit run key of ``keyed`` mode, from DPREG_NOISE_KEY; refuses a key with less than 128
     bits of entropy: at least 32 hex digits, or 22 base64 characters."""
     if not text:
-        raise UserError(f"privacy.noise: keyed needs the secret key in {NOISE_KEY_ENV}; make one with {MAKE_A_KEY}")
+        raise UserError(f"keyed noise needs the secret key in {NOISE_KEY_ENV}; make one with {MAKE_A_KEY}")
     text = text.strip()
     hexadecimal = re.fullmatch(r"[0-9a-fA-F]+", text) is not None
     base64 = re.fullmatch(r"[A-Za-z0-9+/_-]+={0,2}", text) is not None

@@ -366,7 +366,12 @@ class Run:
                 raise self.recipe.error("noise_multiplier: auto needs a privacy budget (privacy.epsilon and "
                                         "privacy.delta, or rho)", "privatizer", "noise_multiplier")
             ctx = self.context()
-            z = self.accountant.calibrate(lambda z: self.algorithm.plan(ctx, z))
+            try:
+                z = self.accountant.calibrate(lambda z: self.algorithm.plan(ctx, z))
+            except UserError as e:  # no noise meets the budget: the budget is the key to change
+                if e.file is not None or e.key is not None:
+                    raise
+                raise self.recipe.error(e.message, "privacy", "rho" if self.budget.rho is not None else "epsilon") from None
             self.privatizer.set_noise_multiplier(z)
         self.check_plan()
 
@@ -758,7 +763,8 @@ def _check_device(device: torch.device, recipe: Recipe) -> None:
     mod = torch.backends.mps if device.type == "mps" else getattr(torch, device.type, None)
     available = getattr(mod, "is_available", None)
     if available is None or not available():
-        raise recipe.error(f"device {str(device)!r} is not available on this machine", "train", "device")
+        raise recipe.error(f"device {str(device)!r} is not available on this machine; run where it is, or set "
+                           f"train.device: cpu (--set train.device=cpu)", "train", "device")
     count = getattr(mod, "device_count", lambda: 1)()
     if device.index is not None and device.index >= count:
         raise recipe.error(f"device {str(device)!r} does not exist ({count} {device.type} device(s) here)",

@@ -524,3 +524,16 @@ def test_a_model_that_a_failed_run_trained_is_warned_about_too(capfd):
     capfd.readouterr()
     dpregistry.train(dict(RECIPE, train={"steps": 2}), model=model, loss=per_example, train_data=train, verbose=False)
     assert "already trained by dpregistry.train in this process (ε = " in capfd.readouterr().err
+
+
+def test_what_train_refuses_is_located_at_train_not_at_a_set():
+    """Review 18: a BatchNorm model or held-out rows of the training data were reported as
+    "--set: objective…", though no --set was given."""
+    model, train, _ = own()
+    with pytest.raises(UserError) as e:
+        dpregistry.train(RECIPE, model=model, loss=per_example, train_data=train, eval_data=train[:50], verbose=False)
+    assert str(e.value).startswith("dpregistry.train: objective.eval_data: eval_data holds training examples")
+    batch_norm = torch.nn.Sequential(torch.nn.Linear(64, 10), torch.nn.BatchNorm1d(10))
+    with pytest.raises(UserError) as e:
+        dpregistry.train(RECIPE, model=batch_norm, loss=per_example, train_data=train, verbose=False)
+    assert str(e.value).startswith("dpregistry.train: objective: BatchNorm1d")

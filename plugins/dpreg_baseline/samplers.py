@@ -66,7 +66,7 @@ class PoissonSampler(Sampler):
         self.n = n
         self.q = self.cfg.sample_rate if self.cfg.sample_rate is not None else self.cfg.batch_size / n
         if self.q > 1:
-            raise UserError(f"sampler.batch_size {self.cfg.batch_size:g} exceeds the data set size {n}",
+            raise UserError(f"{self.cfg.batch_size:g} exceeds the data set size {n}",
                             key="sampler.batch_size")
 
     def indices(self, ctx):
@@ -116,7 +116,7 @@ class ShuffleSampler(Sampler):
         self.n = ctx.n_train
         self.B = self.cfg.batch_size
         if self.B > self.n:
-            raise UserError(f"sampler.batch_size {self.B} exceeds the data set size {self.n}", key="sampler.batch_size")
+            raise UserError(f"{self.B} exceeds the data set size {self.n}", key="sampler.batch_size")
         self.per_epoch = self.n // self.B
         self._perm_epoch, self._perm = -1, None
 
@@ -185,7 +185,7 @@ class UniformSampler(Sampler):
         self.n = ctx.n_train
         self.B = self.cfg.batch_size
         if self.B > self.n:
-            raise UserError(f"sampler.batch_size {self.B} exceeds the data set size {self.n}", key="sampler.batch_size")
+            raise UserError(f"{self.B} exceeds the data set size {self.n}", key="sampler.batch_size")
 
     def validate(self, ctx):
         if ctx.relation != "replace_one":
@@ -247,7 +247,7 @@ class UserPoisson(Sampler):
         n = self.users.n_users
         self.q = self.cfg.users_per_step / n
         if self.q > 1:
-            raise UserError(f"sampler.users_per_step {self.cfg.users_per_step:g} exceeds the {n} users",
+            raise UserError(f"{self.cfg.users_per_step:g} exceeds the {n} users",
                             key="sampler.users_per_step")
 
     def indices(self, ctx):
