@@ -61,6 +61,20 @@ app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True,
 privacy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Privacy accounting tools.")
 app.add_typer(privacy_app, name="privacy")
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        print(f"dpreg {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option("--version", metavar="", is_eager=True, callback=_print_version,
+                                                   help="print the version and exit")] = False):
+    """dpregistry: differentially private optimizers as plugins."""
+
 console = Console()
 err = Console(stderr=True)
 
@@ -177,7 +191,7 @@ def _even_if_stopped(call):
 
 @app.command()
 def run(recipe: Recipe,
-        out: Annotated[Optional[Path], typer.Option("--out", metavar="DIR", help="output folder")] = None,
+        out: Annotated[Optional[Path], typer.Option("--out", metavar="DIR", help="output folder (default: runs/RECIPE-YYYYmmdd-HHMMSS)")] = None,
         set_: SetOpt = None,
         overwrite: Annotated[bool, flag("--overwrite", "replace an earlier run in --out")] = False,
         quiet: Quiet = False,
@@ -234,7 +248,7 @@ def _exit_if_stopped(run_, out: Path | None) -> None:
 
 @app.command()
 def report(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="folder of a run (finished or interrupted)")]):
-    """Write RUN_DIR/report/: report.md and PNG plots (training loss, held-out metrics, ε spent)."""
+    """Write DIR/report/: report.md and PNG plots (training loss, held-out metrics, ε spent)."""
     from .report import write_report
 
     with user_errors():

@@ -1,9 +1,9 @@
 """Hook specifications: one ``dpreg_register_<kind>(register)`` per stage kind.
 
-A plugin implements any of these and calls ``register(StageClass)`` (optionally
-``register(StageClass, name="alias")``) once per stage it provides, in the style of
-simonw/llm's ``register_models(register)``; ``register("package.module:StageClass", name="x")``
-registers it lazily, imported only when a recipe or command uses it. Plugins are found through
+A plugin implements any of these and calls ``register(StageClass)`` once per stage it provides,
+in the style of simonw/llm's ``register_models(register)``; a stage is registered under its own
+``name``. ``register("package.module:StageClass", name="x")`` registers it lazily, imported only
+when a recipe or command uses it (``name`` is then required, and must be the class's). Plugins are found through
 the ``dpregistry`` entry-point group; dpregistry's own plugins load exactly the same way.
 """
 

@@ -177,3 +177,11 @@ def test_help_names_each_value_and_explains_each_option(command):
         assert re.search(r"--[\w-]+(\s+-\w)?\s+(\S+\s+)?\S.{3,}", line), f"an option without help: {line}"
     if command == ["run"]:
         assert "KEY=VALUE" in res.stdout and re.search(r"--out\s+DIR", res.stdout)
+
+
+def test_version_prints_the_package_version():
+    """Review 18: `dpreg --version` was an unknown option."""
+    import dpregistry
+
+    r = dpreg("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"dpreg {dpregistry.__version__}"

@@ -350,7 +350,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 tokenizer = AutoTokenizer.from_pretrained("{MODEL_DIR}")
 model = AutoModelForSequenceClassification.from_pretrained("{MODEL_DIR}").eval()
-texts = ["a gripping, beautifully made film"]  # two text fields per example: tokenizer(firsts, seconds, ...)
+texts = ["a gripping, beautifully made film"]  # (a model of text pairs: tokenizer(firsts, seconds, ...))
 batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
 with torch.no_grad():
     predicted = model(**batch).logits.argmax(-1)
