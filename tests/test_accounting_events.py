@@ -172,17 +172,22 @@ def test_a_negative_count_cannot_lower_the_charged_total():
 
 
 @pytest.mark.parametrize("name", ["rdp", "rdp_filter", "pld", "zcdp"])
-def test_a_zero_count_charge_costs_nothing_and_hides_nothing(name):
-    """0·∞ is NaN, and dp-accounting turns a NaN RDP curve into ε = 0: a zero-count charge of an
-    event with an infinite RDP at some order (non-private; a subsampled Gaussian at low fractional
-    orders) made the RDP accountant report ε = 0 for the whole ledger, and approve any plan."""
+def test_a_zero_count_charge_is_refused_and_a_zero_count_entry_hides_nothing(name):
+    """A charge counts at least once: a sampler's count that rounded to 0 charged nothing for steps
+    that released (review 17: ε = 0 after ten private steps). A ledger entry of count 0 read back
+    from a file costs nothing and hides nothing: 0·∞ is NaN, and dp-accounting turns a NaN RDP
+    curve into ε = 0, which once made the RDP accountant report ε = 0 for the whole ledger."""
     acc = make_accountant(name, Budget(epsilon=50.0, delta=1e-5))
     acc.charge([Charge(Gaussian(1.0, 2.0), count=5)], 0)
     before = acc.epsilon()
     for ev in (NonPrivate(), PoissonSampled(0.5, Gaussian(3.0, 2.0))):
-        assert acc.epsilon(extra=[Charge(ev, count=0)]) == before
-        assert not acc.fits([Charge(ev, count=0), Charge(Gaussian(0.5, 2.0), count=100)])
-    acc.charge([Charge(NonPrivate(), count=0)], 1)
-    assert acc.epsilon() == before and acc.fits()
+        with pytest.raises(ValueError, match="a charge count must be an integer >= 1"):
+            Charge(ev, count=0)
+        entries = acc.ledger.to_json() + [{"event": ev.to_dict(), "count": 0, "partition": None,
+                                           "first_step": 1, "last_step": 1}]
+        read_back = make_accountant(name, Budget(epsilon=50.0, delta=1e-5))
+        read_back.ledger = Ledger.from_json(entries)
+        assert read_back.epsilon() == before
+        assert not read_back.fits([Charge(Gaussian(0.5, 2.0), count=100)])
     with pytest.raises(ValueError, match="count"):
         SelfComposed(Gaussian(1.0, 1.0), 0)
