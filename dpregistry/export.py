@@ -103,6 +103,7 @@ def checked_guarantee(run_dir: Path, summary: dict[str, Any], recipe: dict[str, 
     the noise mode comes from the hash-checked recipe."""
     from .ledger_file import LedgerFile
     from .report import recomputed
+    from .users import unit_terms
 
     step, entries = meta["step"], meta.get("ledger", [])
     last = LedgerFile(run_dir).last
@@ -111,10 +112,15 @@ def checked_guarantee(run_dir: Path, summary: dict[str, Any], recipe: dict[str, 
             else f"records another ledger at step {step}"
         raise UserError(f"ledger.jsonl {where}: the model's ledger (step {step}) is not the last one recorded, so its "
                         f"card could state less than was spent", file=str(run_dir))
-    _, spent, _ = recomputed(recipe, entries)
-    noise = recipe["privacy"].get("noise")
-    checked = {"epsilon": spent.get("epsilon"), "delta": recipe["privacy"].get("delta"), "rho": spent.get("rho"),
-               "noise": noise, "guarantee": noise != "reproducible"}
+    acc, spent, _ = recomputed(recipe, entries)
+    privacy = recipe["privacy"]
+    noise = privacy.get("noise")
+    checked = {"epsilon": spent.get("epsilon"), "delta": privacy.get("delta"), "rho": spent.get("rho"),
+               "target_epsilon": privacy.get("epsilon"), "target_rho": spent.get("target_rho", privacy.get("rho")),
+               "accountant": acc.name, "noise_multiplier": meta.get("noise_multiplier"),
+               "noise": noise, "guarantee": noise != "reproducible", **unit_terms(recipe)}
+    if checked["user_mechanism"] == "els":  # the example-level ε that group privacy reads
+        checked["example_level"] = {k: v for k, v in acc.spent().items() if k in ("epsilon", "delta", "rho")}
     return guarantee({**summary, **checked}, recipe, entries, notion)
 
 

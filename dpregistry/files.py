@@ -73,6 +73,13 @@ def open_regular(path: str | Path, what: str = "file", mode: str = "r", **kwargs
         raise
 
 
+#: the most a run folder's logs are read whole (metrics.jsonl and ledger.jsonl): a run of 10⁶
+#: logged steps writes a few hundred MB; a larger file was not written by a run
+RUN_LOG_LIMIT = 1 << 30
+#: the most recipe.json and summary.json are read (a recipe is kilobytes, at most a few MB)
+RUN_JSON_LIMIT = 100_000_000
+
+
 def read_regular(path: str | Path, what: str = "file", *, limit: int | None = None) -> bytes:
     """The bytes of a regular file, refused beyond ``limit`` bytes without reading further."""
     fd, st = _open_fd(path, what)
@@ -112,13 +119,19 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def no_follow(path, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` (and an ``opener`` for ``open()``) that refuses a symbolic link (ELOOP): a run
+    folder handed over by someone else must not have a run's writes land in the file a link names."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
 def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write ``path`` with ``write(f)`` on a temporary file, fsync it, rename it over ``path`` and
     fsync the folder. An OSError (a full disk, a read-only folder) leaves ``path`` as it was."""
     path = Path(path)
     tmp = temp_path(path)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

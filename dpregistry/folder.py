@@ -31,7 +31,7 @@ from safetensors import safe_open
 from . import checkpoint as ckpt
 from . import files
 from .errors import UserError
-from .ledger_file import LedgerFile, extends
+from .ledger_file import NAME as LEDGER_NAME, LedgerFile, extends
 from .recipe import resolve
 from .registry import get_registry
 
@@ -111,7 +111,7 @@ class RunFolder:
 
     def append_metrics(self, row: dict[str, Any]) -> None:
         if self.writer:
-            with self.storage(self.metrics), open(self.metrics, "a") as f:
+            with self.storage(self.metrics), open(self.metrics, "a", opener=files.no_follow) as f:
                 f.write(json.dumps(row, default=json_default) + "\n")
 
     def truncate_metrics(self, step: int) -> None:
@@ -141,14 +141,15 @@ def json_default(o):
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl; a line torn by a kill mid-write (always the last) is skipped."""
+    """The rows of a metrics.jsonl; a line torn by a kill mid-write (always the last), and a row
+    whose step is not a whole number, are skipped."""
     rows = []
-    for line in files.read_regular(path, "metrics file").decode(errors="replace").splitlines():
+    for line in files.read_regular(path, "metrics file", limit=files.RUN_LOG_LIMIT).decode(errors="replace").splitlines():
         try:
             row = json.loads(line)
         except (ValueError, RecursionError):
             continue
-        if isinstance(row, dict):
+        if isinstance(row, dict) and type(row.get("step")) is int:  # a row without its step is damaged
             rows.append(row)
     return rows
 
@@ -180,12 +181,18 @@ def _busy(out: Path, info: dict) -> UserError:
 
 
 def _open_lock(path: Path, flags: int) -> int:
-    """A descriptor of the lock file, refused unless it is a regular file (a FIFO would block the
-    open, and a lock on it would say nothing)."""
-    fd = os.open(path, flags | os.O_NONBLOCK, 0o644)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    """A descriptor of the lock file, refused unless it is a regular file of its own (a FIFO would
+    block the open; a symbolic link would have the lock record written over the file it names)."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise UserError("a symbolic link, not a regular file (the run folder's lock); remove it", file=str(path)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         os.close(fd)
-        raise UserError("not a regular file (the run folder's lock)", file=str(path))
+        raise UserError("not a regular file of its own (the run folder's lock); remove it", file=str(path))
     return fd
 
 
@@ -200,7 +207,7 @@ def lock_holder(out: Path) -> dict | None:
     try:
         fd = _open_lock(path, os.O_RDONLY)
     except OSError:
-        return None
+        return None  # no lock file (run_lock refuses one it cannot use)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -253,7 +260,12 @@ def run_lock(out: Path):
 
 def _leftover(p: Path) -> bool:
     """Files a run that was killed before it started may leave: a free lock, temporary files."""
-    return p.is_file() and (p.name == LOCK or bool(files.TEMP.match(p.name)))
+    return p.is_file() and not p.is_symlink() and (p.name == LOCK or bool(files.TEMP.match(p.name)))
+
+
+#: what a run folder holds (the run's files, its report and plot): all that --overwrite removes
+RUN_FILES = frozenset({"recipe.json", "checkpoints", LEDGER_NAME, "metrics.jsonl", "summary.json", "model.safetensors",
+                       "report", "privacy_epsilon.png", LOCK})
 
 
 def default_out(recipe_path: str) -> Path:
@@ -284,6 +296,10 @@ def check_out(out: Path, overwrite: bool) -> Path:
 
 
 def _refuse_nonempty(out: Path, entries: list[Path], overwrite: bool) -> None:
+    if overwrite and (others := sorted(p.name for p in entries if p.name not in RUN_FILES and not _leftover(p))):
+        shown = ", ".join(others[:3]) + (", …" if len(others) > 3 else "")
+        raise UserError(f"--overwrite replaces a run folder, and this folder holds other files too ({shown}); "
+                        f"choose another folder", file=str(out))
     if not all(_leftover(p) for p in entries) and not overwrite:
         summary = json_or_none(out / "summary.json")
         finished = isinstance(summary, dict) and not summary.get("stopped") and (out / "model.safetensors").exists()
@@ -378,7 +394,7 @@ def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int
     if not rpath.exists():
         raise not_a_run_folder(out_dir)
     try:
-        stored = json.loads(files.read_regular(rpath, "recipe.json"))
+        stored = json.loads(files.read_regular(rpath, "recipe.json", limit=files.RUN_JSON_LIMIT))
     except (OSError, ValueError, RecursionError):
         stored = None
     if not (isinstance(stored, dict) and isinstance(stored.get("recipe"), dict)
@@ -439,17 +455,19 @@ def json_or_none(path: Path) -> Any:
     if not path.exists():
         return None
     try:
-        return json.loads(files.read_regular(path, f"run file {path.name}"))
+        return json.loads(files.read_regular(path, f"run file {path.name}", limit=files.RUN_JSON_LIMIT))
     except (ValueError, RecursionError):
         return None
 
 
 def released_after(out: Path, step: int, rows: list[dict[str, Any]], summary: Any,
-                   evaluations: bool = True) -> str | None:
+                   evaluations: bool = True, rows_release: bool = False) -> str | None:
     """What in the folder shows a release after ``step``, or None: the model written at the end,
-    the summary, or a held-out evaluation (each follows the checkpoint of its step, which
-    ledger.jsonl records, so with a valid ledger none is later than its newest line; evaluations
-    only where the noise is a guarantee: reproducible runs evaluate between checkpoints)."""
+    the summary, a held-out evaluation, or any row of an algorithm whose step metrics are
+    functions of its releases (``rows_release``: ``Algorithm.logs_releases``). Each follows the
+    checkpoint of its step, which ledger.jsonl records, so with a valid ledger none is later than
+    its newest line; evaluations and such rows only where the noise is a guarantee: reproducible
+    runs log them between checkpoints."""
     if isinstance(summary, dict) and isinstance(summary.get("step"), int) and summary["step"] > step:
         return f"summary.json records step {summary['step']}"
     model = out / "model.safetensors"
@@ -462,8 +480,10 @@ def released_after(out: Path, step: int, rows: list[dict[str, Any]], summary: An
             at = None
         if isinstance(at, int) and at > step:
             return f"model.safetensors was written at step {at}"
-    evals = [r["step"] for r in rows if evaluations and isinstance(r.get("step"), int) and r["step"] > step
-             and any(str(k).startswith("eval/") for k in r)]
+    later = [r for r in rows if evaluations and isinstance(r.get("step"), int) and r["step"] > step]
+    if rows_release and later:
+        return f"metrics.jsonl holds a row of step {max(r['step'] for r in later)}, whose metrics are functions of its releases"
+    evals = [r["step"] for r in later if any(str(k).startswith("eval/") for k in r)]
     return f"metrics.jsonl holds a held-out evaluation at step {max(evals)}" if evals else None
 
 
@@ -500,10 +520,14 @@ def _check_ledger(run, tensors: dict[str, Any], meta: dict[str, Any], path: Path
                         f"again would release them twice; restore the newer checkpoint or start a new run", file=str(out))
     rows = read_metrics(out)
     summary = json_or_none(out / "summary.json")
-    if not run.rng.replayable and (later := released_after(out, step, rows, summary)):
-        raise UserError(f"{later}, after the newest valid checkpoint (step {step}), yet ledger.jsonl records no "
-                        f"charge after it (its last lines or that checkpoint were removed): with secure noise those "
-                        f"steps cannot be replayed, and taking them again would release them twice", file=str(out))
+    newest = step if last is None else max(step, last["step"])
+    if run.rng.guarantee and (later := released_after(out, newest, rows, summary,
+                                                       rows_release=run.algorithm.logs_releases)):
+        # secret noise: secure noise cannot replay those steps; keyed noise could, but no recorded
+        # digest is left to show that a replay recomputes each release bit for bit
+        raise UserError(f"{later}, after the newest charge that ledger.jsonl and the checkpoints record (step "
+                        f"{newest}): their last lines or checkpoints were removed, and taking those steps again would "
+                        f"release them twice", file=str(out))
     logged = [("metrics.jsonl", r) for r in rows] + ([("summary.json", summary)] if summary is not None else [])
     logged = [(name, r["step"], r["epsilon"]) for name, r in logged if isinstance(r, dict)
               and isinstance(r.get("step"), int) and r["step"] <= step and isinstance(r.get("epsilon"), (int, float))]

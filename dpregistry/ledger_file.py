@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .files import read_regular
+from .files import RUN_LOG_LIMIT, no_follow, read_regular
 
 NAME = "ledger.jsonl"
 GENESIS = "0" * 64
@@ -65,7 +65,7 @@ class LedgerFile:
             return self._lines
         out: list[dict[str, Any]] = []
         if self.path.exists():
-            raw = read_regular(self.path, "ledger file")
+            raw = read_regular(self.path, "ledger file", limit=RUN_LOG_LIMIT)
             complete = raw.split(b"\n")[:-1]  # text after the last newline is a torn append
             prev = GENESIS
             for i, line in enumerate(complete, 1):
@@ -150,7 +150,7 @@ class LedgerFile:
         if state is not None:
             rec["state"] = state
         self._drop_torn_tail()
-        with open(self.path, "a") as f:
+        with open(self.path, "a", opener=no_follow) as f:
             f.write(json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -159,7 +159,7 @@ class LedgerFile:
     def _drop_torn_tail(self) -> None:
         """Cut a line torn by a kill mid-append, so the next line starts on a line of its own."""
         try:
-            with open(self.path, "rb+") as f:
+            with open(self.path, "rb+", opener=no_follow) as f:
                 data = f.read()
                 if data and not data.endswith(b"\n"):
                     f.truncate(data.rfind(b"\n") + 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import platform
 import signal
+import sys
 import time
 from typing import Any, Callable
 
@@ -146,17 +147,21 @@ def finish(run: Run, t0: float, *, evaluate: bool = True) -> dict[str, Any]:
     """The final checkpoint (the training state: a resume continues from the iterate, not from the
     output, which an update rule may pick as an average or an earlier iterate), the output
     parameters, the held-out metrics and the summary."""
-    # Written unless the loop just wrote this step with this ledger (were a charge made since, the
-    # ledger file would refuse the checkpoint loudly rather than lose it).
-    if run.folder and run.folder.saved != (run.step, json.loads(json.dumps(run.accountant.ledger.to_json()))):
-        run.folder.save_checkpoint(run)
-    final = run.output_params()
-    if final is not run.params:
-        with torch.no_grad():
-            for k, v in final.items():
-                run.params[k].copy_(v)
-    if run.folder:
-        run.folder.write_model(run)
+    # A first signal while the final files are written lets them be finished (a second interrupts).
+    say = (lambda m: print(f"{m.split(':')[0]}: writing the run's final checkpoint and model first",
+                           file=sys.stderr, flush=True))
+    with graceful_stop(lambda signum: None, say):
+        # Written unless the loop just wrote this step with this ledger (were a charge made since,
+        # the ledger file would refuse the checkpoint loudly rather than lose it).
+        if run.folder and run.folder.saved != (run.step, json.loads(json.dumps(run.accountant.ledger.to_json()))):
+            run.folder.save_checkpoint(run)
+        final = run.output_params()
+        if final is not run.params:
+            with torch.no_grad():
+                for k, v in final.items():
+                    run.params[k].copy_(v)
+        if run.folder:
+            run.folder.write_model(run)
     metrics = {}
     if evaluate:
         try:

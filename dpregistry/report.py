@@ -17,10 +17,9 @@ from .privacy.accountant import Accountant, Budget, Ledger, make_accountant
 from .privacy.events import PrivacyEvent, any_nonprivate
 from .registry import trust_statement
 from .rng import noise_statement
-from .users import els_group, example_budget, unit_statement, user_epsilon
+from .users import els_group, example_budget, unit_statement, unit_terms, user_epsilon
 
 PLOT_NAME = "privacy_epsilon.png"
-MAX_JSON_BYTES = 100_000_000  # summary.json and recipe.json are kilobytes (a recipe at most a few MB)
 
 
 Series = tuple[str, list, list]  # (label, steps, values)
@@ -129,14 +128,24 @@ def newest_ledger(run_dir: Path, meta: dict[str, Any],
     continue it (the newest checkpoint lost or damaged: the steps after it were still released).
     A ledger file that does not continue the checkpoint's ledger, or whose chain is broken, or a
     release later than both, is refused."""
-    last = LedgerFile(run_dir).last
+    journal = LedgerFile(run_dir)
+    last = journal.last
     step, entries = meta["step"], meta.get("ledger", [])
     newest = max(step, last["step"]) if last is not None else step
     guarantee = (meta["recipe"].get("privacy") or {}).get("noise") != "reproducible"
-    if later := released_after(run_dir, newest, read_metrics(run_dir), summary, guarantee):
+    if later := released_after(run_dir, newest, read_metrics(run_dir), summary, guarantee,
+                               rows_release=_logs_releases(meta["recipe"])):
         raise UserError(f"{later}, after the last charge that ledger.jsonl and the checkpoints record (step {newest}): "
                         f"their last lines or checkpoints were removed, and what was spent cannot be recomputed",
                         file=str(run_dir))
+    # the checkpoint must be this run's: the line recorded at its step, or one that continues the last
+    line = journal.line(step)
+    if (line is not None and line["entries"] != entries) or (
+            line is None and last is not None and not (step > last["step"] and extends(last["entries"], entries))):
+        raise UserError(f"the newest valid checkpoint (step {step}) does not hold the ledger that ledger.jsonl "
+                        f"records: it is not this run's", file=str(run_dir))
+    if last is None and step > 0:
+        raise UserError(f"ledger.jsonl is missing but the newest valid checkpoint is at step {step}", file=str(run_dir))
     if last is None or last["step"] <= step:
         return step, entries, None
     if not extends(entries, last["entries"]):
@@ -144,6 +153,17 @@ def newest_ledger(run_dir: Path, meta: dict[str, Any],
                         f"newest valid checkpoint (step {step}): the folder was edited", file=str(run_dir))
     return last["step"], last["entries"], (f"the newest valid checkpoint is at step {step}, but ledger.jsonl records "
                                            f"charges up to step {last['step']}: what was spent is read from it")
+
+
+def _logs_releases(recipe: dict[str, Any]) -> bool:
+    """Whether the run's algorithm logs functions of its releases in its rows; an algorithm that
+    cannot be loaded is taken to (its rows then count as releases)."""
+    from .registry import get_registry
+
+    try:
+        return bool(get_registry().get("algorithm", recipe["algorithm"]["name"]).cls.logs_releases)
+    except Exception:  # a plugin no longer installed, a broken one: assume the stricter
+        return True
 
 
 def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dict[str, Any]:
@@ -158,6 +178,10 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
         raise UserError("no readable checkpoint in this run folder", file=str(run_dir))
     _, meta, _ = found
     recipe = meta["recipe"]
+    stored = run_dir / "recipe.json"
+    if stored.exists() and _read_json(stored).get("recipe_hash") != meta.get("recipe_hash"):
+        raise UserError("the newest valid checkpoint was written by another recipe than recipe.json's: it is not this "
+                        "run's", file=str(run_dir))
     privacy = recipe["privacy"]
     summary_path = run_dir / "summary.json"
     summary = _read_json(summary_path) if summary_path.exists() else {}
@@ -185,6 +209,7 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
         "noise": privacy.get("noise"),
         "guarantee": guarantee,
         "unit": privacy.get("unit", "example"),
+        "example_level": {k: v for k, v in acc.spent().items() if k in ("epsilon", "delta", "rho")},
         "ledger": ledger, "spent_label": label, "spent_over_steps": curve,
         "epsilon_over_steps": curve if acc.budget.delta is not None else [],
         "plot": str(plot_path) if plot_path else None,
@@ -193,10 +218,11 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
 
 
 def unit_line(rep: dict[str, Any]) -> str:
-    """:func:`unit_statement` of a :func:`privacy_report`: its run's summary where it has one, its
-    own unit and relation otherwise, and the guarantee as the report established it."""
-    return unit_statement({"unit": rep["unit"], "relation": rep["relation"], **(rep.get("summary") or {}),
-                           "guarantee": rep["guarantee"]})
+    """:func:`unit_statement` of a :func:`privacy_report`: the unit, relation and example-level ε
+    as the recipe and the recomputed ledger state them (summary.json, which has no checksum, gives
+    only the number of users), and the guarantee as the report established it."""
+    return unit_statement({**(rep.get("summary") or {}), **unit_terms(rep["recipe"]),
+                           "example_level": rep["example_level"], "guarantee": rep["guarantee"]})
 
 
 def ledger_rows(ledger: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -222,7 +248,7 @@ def ledger_rows(ledger: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        obj = json.loads(read_regular(path, "JSON file", limit=MAX_JSON_BYTES))
+        obj = json.loads(read_regular(path, "JSON file", limit=files.RUN_JSON_LIMIT))
     except (OSError, ValueError, RecursionError):
         raise UserError("unreadable JSON", file=str(path)) from None
     return obj if isinstance(obj, dict) else {}

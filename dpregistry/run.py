@@ -25,7 +25,8 @@ from .distributed import LocalComm
 from .errors import BudgetExhausted, UserError
 from .persample import StateWatch, probe_indices
 from .privacy.accountant import Budget
-from .privacy.events import PoissonSampled, PrivacyEvent, SampledWithoutReplacement, any_nonprivate, nodes
+from .privacy.events import (EventError, PoissonSampled, PrivacyEvent, SampledWithoutReplacement, any_nonprivate,
+                             nodes)
 from .recipe import SECTIONS, Recipe
 from .rng import RunRNG
 from .spaces import Contribution
@@ -237,7 +238,7 @@ class Run:
             name = f" {e.filename}" if e.filename else ""
             raise self.recipe.locate(UserError(f"cannot read{name} ({e.strerror or e})"), self._section) from None
         except (ArithmeticError, ValueError) as e:
-            if not isinstance(e, ArithmeticError) and str(e) != "math domain error":
+            if not isinstance(e, (ArithmeticError, EventError)) and str(e) != "math domain error":
                 raise
             # a stage's theory constants from absurd recipe numbers (stat_tol: 1e300 overflowed β³)
             raise self.recipe.locate(UserError(f"a number of the recipe is out of range: computing with it failed "

@@ -206,3 +206,14 @@ def els_group(recipe: dict) -> int:
         return 1
     sampler = get_registry().get("sampler", recipe["sampler"]["name"]).cls
     return 1 if sampler.samples == "users" else int(privacy["max_examples_per_user"])
+
+
+def unit_terms(recipe: dict) -> dict:
+    """The privacy unit and relation as the resolved recipe (hash-checked) states them, for what
+    reads a run folder: summary.json has no checksum, and an edited one must not widen the stated
+    guarantee (an example-level replace-one run stated as one user under add/remove)."""
+    privacy = recipe.get("privacy") or {}
+    user = privacy.get("unit") == "user"
+    return {"unit": "user" if user else "example", "relation": privacy.get("relation"),
+            "max_examples_per_user": privacy.get("max_examples_per_user") if user else None,
+            "user_mechanism": ("els" if els_group(recipe) > 1 else "uls") if user else None}

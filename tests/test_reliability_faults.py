@@ -346,22 +346,24 @@ def test_the_cli_reports_a_nonfinite_stop_in_one_line(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
+def full_disk_at(monkeypatch, path: Path) -> None:
+    """The kernel's ENOSPC for writes to ``path``: it opens /dev/full (a link to it is refused)."""
+    real = files.no_follow
+
+    def opener(p, flags, mode=0o644):
+        return os.open("/dev/full", os.O_WRONLY) if Path(p) == path else real(p, flags, mode)
+
+    monkeypatch.setattr(files, "no_follow", opener)
+
+
 def test_a_full_disk_at_a_checkpoint_is_one_clear_line_and_keeps_the_last_one(reference, tmp_path, monkeypatch):
     """The kernel's ENOSPC: the temporary file of the step-6 checkpoint is /dev/full."""
-    from dpregistry.folder import RunFolder
-
     recipe, ref_out = reference
     out = tmp_path / "out"
-    real = RunFolder.save_checkpoint
-
-    def disk_full_at_step_6(self, run):
-        if run.step == 6:
-            files.temp_path(ckpt.checkpoint_path(out / "checkpoints", 6)).symlink_to("/dev/full")
-        return real(self, run)
-
-    monkeypatch.setattr(RunFolder, "save_checkpoint", disk_full_at_step_6)
+    real = files.no_follow
+    full_disk_at(monkeypatch, files.temp_path(ckpt.checkpoint_path(out / "checkpoints", 6)))
     res = dpreg("run", recipe, "--out", out, "-q")
-    monkeypatch.setattr(RunFolder, "save_checkpoint", real)
+    monkeypatch.setattr(files, "no_follow", real)
     FAULTS["injected"] += 1
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "No space left on device" in res.stderr and "last good checkpoint (step 4) is kept" in res.stderr
@@ -377,14 +379,13 @@ def crashkit_temps(out: Path) -> list[str]:
     return [p.name for p in (out / "checkpoints").iterdir() if files.TEMP.match(p.name)]
 
 
-def test_a_full_disk_while_logging_is_one_clear_line(tmp_path):
+def test_a_full_disk_while_logging_is_one_clear_line(tmp_path, monkeypatch):
     out = tmp_path / "out"
     run = make_run(RECIPE, tmp_path, out=out)
 
     def disk_fills_at_step_5(r, metrics):
         if r.step == 5:
-            (out / "metrics.jsonl").unlink()
-            (out / "metrics.jsonl").symlink_to("/dev/full")
+            full_disk_at(monkeypatch, out / "metrics.jsonl")
 
     with pytest.raises(UserError) as e:
         run.train(progress=disk_fills_at_step_5)
@@ -506,7 +507,7 @@ def test_overwrite_never_deletes_a_run_that_took_the_folder_while_this_one_prepa
     recipe = write_recipe(tmp_path, RECIPE)
     out = tmp_path / "out"
     out.mkdir()
-    (out / "old-run").write_text("")
+    (out / "metrics.jsonl").write_text("")  # an earlier run's
     held = {}
     prepare = Run.prepare
 

@@ -21,13 +21,18 @@ from typing import Any, ClassVar, Iterable, Iterator
 RELATIONS = ("replace_one", "add_remove")
 
 
+class EventError(ValueError):
+    """An event's parameters are out of range (a recipe's clip of 1e308 makes an infinite
+    sensitivity): the run reports it as bad input."""
+
+
 def clipped_sum_sensitivity(clip: float, relation: str) -> float:
     """L2 sensitivity of a sum of per-example vectors each clipped to norm ``clip``."""
     if relation == "replace_one":
         return 2.0 * clip  # the differing example moves from x to x', |x - x'| <= 2C
     if relation == "add_remove":
         return clip
-    raise ValueError(f"unknown neighbouring relation {relation!r}")
+    raise EventError(f"unknown neighbouring relation {relation!r}")
 
 
 class PrivacyEvent:
@@ -80,9 +85,9 @@ class Gaussian(PrivacyEvent):
 
     def __post_init__(self):
         if not (self.sensitivity > 0 and math.isfinite(self.sensitivity)):
-            raise ValueError(f"Gaussian sensitivity must be positive and finite, got {self.sensitivity}")
+            raise EventError(f"Gaussian sensitivity must be positive and finite, got {self.sensitivity}")
         if not (self.std >= 0):
-            raise ValueError(f"Gaussian std must be >= 0, got {self.std}")
+            raise EventError(f"Gaussian std must be >= 0, got {self.std}")
 
     @property
     def noise_multiplier(self) -> float:
@@ -103,7 +108,7 @@ class PoissonSampled(PrivacyEvent):
 
     def __post_init__(self):
         if not 0 < self.q <= 1:
-            raise ValueError(f"a sampling rate must be in (0, 1], got {self.q}")
+            raise EventError(f"a sampling rate must be in (0, 1], got {self.q}")
 
     def describe(self) -> str:
         return f"poisson(q={self.q:.4g}, {self.event.describe()})"
@@ -120,7 +125,7 @@ class SampledWithoutReplacement(PrivacyEvent):
 
     def __post_init__(self):
         if not 1 <= self.batch_size <= self.n:
-            raise ValueError(f"need 1 <= batch_size <= n, got {self.batch_size} of {self.n}")
+            raise EventError(f"need 1 <= batch_size <= n, got {self.batch_size} of {self.n}")
 
     def describe(self) -> str:
         return f"wor({self.batch_size}/{self.n}, {self.event.describe()})"
@@ -149,7 +154,7 @@ class SelfComposed(PrivacyEvent):
     def __post_init__(self):
         # a negative count would un-charge; a zero one is no event (and 0·∞ is NaN in an RDP curve)
         if not (isinstance(self.count, numbers.Integral) and self.count >= 1):
-            raise ValueError(f"a self-composition count must be an integer >= 1, got {self.count}")
+            raise EventError(f"a self-composition count must be an integer >= 1, got {self.count}")
 
     def describe(self) -> str:
         return f"{self.count}×{self.event.describe()}"
@@ -164,7 +169,7 @@ class ZCDP(PrivacyEvent):
 
     def __post_init__(self):
         if not self.rho >= 0:
-            raise ValueError(f"zCDP rho must be >= 0, got {self.rho}")
+            raise EventError(f"zCDP rho must be >= 0, got {self.rho}")
 
     def describe(self) -> str:
         return f"zcdp(ρ={self.rho:.4g})"
@@ -203,7 +208,7 @@ def tree_nodes_per_record(period: int) -> int:
     smaller for T in {1, 2, 4}).
     """
     if period < 1:
-        raise ValueError(f"a tree period has at least one step, got {period}")
+        raise EventError(f"a tree period has at least one step, got {period}")
     return int(period).bit_length()  # = ⌊log₂T⌋+1, exactly, in integers
 
 
@@ -225,11 +230,11 @@ class TreeAggregation(PrivacyEvent):
 
     def __post_init__(self):
         if not (self.sensitivity > 0 and math.isfinite(self.sensitivity)):
-            raise ValueError(f"tree sensitivity must be positive and finite, got {self.sensitivity}")
+            raise EventError(f"tree sensitivity must be positive and finite, got {self.sensitivity}")
         if not (self.std >= 0):
-            raise ValueError(f"tree std must be >= 0, got {self.std}")
+            raise EventError(f"tree std must be >= 0, got {self.std}")
         if not (isinstance(self.nodes_per_record, int) and self.nodes_per_record >= 1):
-            raise ValueError(f"nodes_per_record must be a positive integer, got {self.nodes_per_record}")
+            raise EventError(f"nodes_per_record must be a positive integer, got {self.nodes_per_record}")
 
     @classmethod
     def for_period(cls, std: float, sensitivity: float, period: int) -> "TreeAggregation":
@@ -256,7 +261,7 @@ class Exponential(PrivacyEvent):
 
     def __post_init__(self):
         if not (self.epsilon >= 0):
-            raise ValueError(f"exponential mechanism ε must be >= 0, got {self.epsilon}")
+            raise EventError(f"exponential mechanism ε must be >= 0, got {self.epsilon}")
 
     def zcdp_rho(self) -> float:
         return self.epsilon ** 2 / (8.0 if self.bounded_range else 2.0)
