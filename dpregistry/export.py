@@ -118,9 +118,8 @@ def checked_guarantee(run_dir: Path, summary: dict[str, Any], recipe: dict[str, 
     checked = {"epsilon": spent.get("epsilon"), "delta": privacy.get("delta"), "rho": spent.get("rho"),
                "target_epsilon": privacy.get("epsilon"), "target_rho": spent.get("target_rho", privacy.get("rho")),
                "accountant": acc.name, "noise_multiplier": meta.get("noise_multiplier"),
-               "noise": noise, "guarantee": noise != "reproducible", **unit_terms(recipe)}
-    if checked["user_mechanism"] == "els":  # the example-level ε that group privacy reads
-        checked["example_level"] = {k: v for k, v in acc.spent().items() if k in ("epsilon", "delta", "rho")}
+               "example_level": spent.get("example_level"), "noise": noise, "guarantee": noise != "reproducible",
+               **unit_terms(recipe)}
     return guarantee({**summary, **checked}, recipe, entries, notion)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import platform
 import signal
-import sys
 import time
 from typing import Any, Callable
 
@@ -148,9 +147,7 @@ def finish(run: Run, t0: float, *, evaluate: bool = True) -> dict[str, Any]:
     output, which an update rule may pick as an average or an earlier iterate), the output
     parameters, the held-out metrics and the summary."""
     # A first signal while the final files are written lets them be finished (a second interrupts).
-    say = (lambda m: print(f"{m.split(':')[0]}: writing the run's final checkpoint and model first",
-                           file=sys.stderr, flush=True))
-    with graceful_stop(lambda signum: None, say):
+    with graceful_stop(lambda signum: None, then="writing the run's final checkpoint and model first"):
         # Written unless the loop just wrote this step with this ledger (were a charge made since,
         # the ledger file would refuse the checkpoint loudly rather than lose it).
         if run.folder and run.folder.saved != (run.step, json.loads(json.dumps(run.accountant.ledger.to_json()))):

@@ -114,6 +114,8 @@ def recomputed(recipe: dict[str, Any], entries: list[dict[str, Any]]):
             return a.rho() * k * k
         return user_epsilon(a.epsilon, k, target.delta, a.budget.delta)
 
+    if k > 1:  # ELS: the example-level spending that group privacy reads (as Run.spent states it)
+        spent["example_level"] = {key: spent.get(key) for key in ("epsilon", "delta", "rho")}
     if k > 1 and spent.get("epsilon") is not None:  # with k = 1 the accountant's own ε is the unit's
         spent["epsilon"] = in_unit(acc)
     if spent.get("rho") is not None:
@@ -209,7 +211,7 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
         "noise": privacy.get("noise"),
         "guarantee": guarantee,
         "unit": privacy.get("unit", "example"),
-        "example_level": {k: v for k, v in acc.spent().items() if k in ("epsilon", "delta", "rho")},
+        "example_level": spent.get("example_level"),
         "ledger": ledger, "spent_label": label, "spent_over_steps": curve,
         "epsilon_over_steps": curve if acc.budget.delta is not None else [],
         "plot": str(plot_path) if plot_path else None,

@@ -23,9 +23,10 @@ class Interrupted(BaseException):
 
 
 @contextmanager
-def graceful_stop(request_stop: Callable[[int], None], say: Callable[[str], None] | None = None):
+def graceful_stop(request_stop: Callable[[int], None], say: Callable[[str], None] | None = None,
+                  then: str = "stopping after the current step (again to stop sooner; what was spent is kept)"):
     """Within the block, the first SIGINT/SIGTERM calls ``request_stop(signum)`` and ``say``s what
-    happens next; the second raises :class:`Interrupted`."""
+    happens ``then``; the second raises :class:`Interrupted`."""
     say = say or (lambda m: print(m, file=sys.stderr, flush=True))
     seen: list[int] = []
 
@@ -34,8 +35,7 @@ def graceful_stop(request_stop: Callable[[int], None], say: Callable[[str], None
             raise Interrupted(signum)
         seen.append(signum)
         request_stop(signum)
-        say(f"{signal.Signals(signum).name}: stopping after the current step (again to stop sooner; what was "
-            f"spent is kept)")
+        say(f"{signal.Signals(signum).name}: {then}")
 
     old = {}
     try:

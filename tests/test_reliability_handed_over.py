@@ -146,3 +146,28 @@ def test_the_reports_and_the_card_state_the_unit_the_recipe_says(tmp_path):
     assert stated["unit"] == "example" and stated["relation"] == "replace_one"
     assert stated["unit_statement"].startswith("one example: the guarantee holds for replacing")
     assert LedgerFile(out).last["step"] == 12
+
+
+def test_the_report_states_the_example_level_epsilon_of_an_els_run_from_its_ledger(tmp_path):
+    """Group privacy reads the example-level ε: the report's unit line took it from summary.json."""
+    import torch
+
+    import dpregistry
+
+    torch.manual_seed(0)
+    x, y = torch.randn(240, 4), torch.randint(0, 2, (240,))
+    recipe = {"algorithm": "dp_sgd", "sampler": {"name": "poisson", "batch_size": 30}, "update": {"lr": 0.1},
+              "privacy": {"epsilon": 4.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 6},
+              "train": {"steps": 4, "progress": False}}
+    r = dpregistry.train(recipe, model=torch.nn.Linear(4, 2), train_data=list(zip(x, y)), users=torch.arange(240) // 12,
+                         loss=lambda out, t: torch.nn.functional.cross_entropy(out, t, reduction="none"),
+                         out=tmp_path / "els", verbose=False)
+    true = r.summary["example_level"]["epsilon"]
+    summary = json.loads((tmp_path / "els" / "summary.json").read_text())
+    summary["example_level"]["epsilon"] = true / 10
+    (tmp_path / "els" / "summary.json").write_text(json.dumps(summary))
+    rep = privacy_report(tmp_path / "els", plot=False)
+    assert rep["example_level"]["epsilon"] == pytest.approx(true, rel=1e-9)
+    from dpregistry.report import unit_line
+
+    assert f"example-level ε = {true:.4g}" in unit_line(rep)
