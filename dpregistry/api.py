@@ -78,11 +78,18 @@ class Result:
         from .export import export_objective, guarantee
 
         run = self.run
-        mark = getattr(run.objective.module(), TRAINED, None)
-        if mark is not None and mark.run() is not run:
+        module = run.objective.module()
+        mark = getattr(module, TRAINED, None)
+        same_folder = mark is not None and mark.run_dir is not None and self.run_dir is not None and \
+            mark.run_dir == str(Path(self.run_dir).resolve())
+        if mark is not None and mark.run() is not run and not same_folder:
             raise UserError(f"this model was trained again in place after this run ({mark.spent} by the later run): "
                             f"its weights are not this run's output, and this run's ε is not theirs; pass "
                             f"copy.deepcopy(model) to each run", key="model")
+        if mark is not None and mark.fingerprint != fingerprint(module):
+            raise UserError("this model's weights changed after this run (trained through another module that "
+                            "shares them, loaded from another run, or edited): they are not this run's output, and "
+                            "its card would state this run's ε for them", key="model")
         if mark is not None and mark.before:
             raise UserError(f"this model had been trained in place by another run before this one "
                             f"({'; '.join(mark.before)}): its weights carry the privacy cost of every run, and a "
@@ -259,7 +266,11 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
     from .run import Run
 
     provides = _own_objects(model, loss, train_data, eval_data, metrics, users)
-    if before := getattr(model, TRAINED, None):
+    before = getattr(model, TRAINED, None)
+    inner = [m for m in (model.modules() if hasattr(model, "modules") else ()) if getattr(m, TRAINED, None)]
+    if inner and before is None:  # a module that wraps (shares the weights of) one trained before
+        before = getattr(inner[0], TRAINED)
+    if before:
         _warn(f"warning: this model was already trained by dpregistry.train in this process ({before.spent}); it trains on "
               f"in place, and this run's ε covers this run alone: the model's privacy cost is the composition of "
               f"both (pass copy.deepcopy(model) to train from the same start)")
@@ -283,7 +294,7 @@ def train(recipe: str | Path | dict, *, set: list[str] | None = None, out: str |
                 summary = _train(run, verbose and (comm is None or comm.rank == 0), console)
             finally:  # a run that failed after some steps trained the module too (out of memory, say)
                 if model is not None and run.step > 0:
-                    _mark(model, run, before=(before.before + (before.spent,)) if before else ())
+                    _mark(model, run, out_dir, before=(before.before + (before.spent,)) if before else ())
     return _unless_stopped(Result(run, summary, out_dir))
 
 
@@ -294,17 +305,31 @@ TRAINED = "_dpregistry_trained"
 @dataclass(frozen=True)
 class Trained:
     """The run whose output a module holds (weakly: the module must not keep a run alive), what
-    it spent, in words, and what the runs that trained the module before it spent."""
+    it spent, in words, what the runs that trained the module before it spent, and a fingerprint
+    of its weights then (an edit, or training through a module that shares them, changes it)."""
 
     run: weakref.ref
     spent: str
     before: tuple[str, ...] = ()
+    fingerprint: tuple = ()
+    run_dir: str | None = None  # the run folder: a resume continues (or only reloads) that run
 
 
-def _mark(model, run, before: tuple[str, ...] = ()) -> None:
+def fingerprint(module) -> tuple:
+    """Each tensor of a module's state by name, summarised by its float64 sum and sum of squares
+    (computed where it lives: cheap beside a run, and no copy of a large model)."""
+    import torch
+
+    with torch.no_grad():
+        return tuple((name, float(t.double().sum()), float(t.double().square().sum()))
+                     for name, t in module.state_dict().items() if torch.is_tensor(t))
+
+
+def _mark(model, run, run_dir: Path | None, before: tuple[str, ...] = ()) -> None:
     eps = run.epsilon()
     spent = f"ε = {eps:.4g}" if eps is not None else f"{run.step} private steps"
-    setattr(model, TRAINED, Trained(weakref.ref(run), spent, before))
+    setattr(model, TRAINED, Trained(weakref.ref(run), spent, before, fingerprint(model),
+                                    None if run_dir is None else str(Path(run_dir).resolve())))
 
 
 def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: int | None = None, model=None,
@@ -342,7 +367,7 @@ def resume(run_dir: str | Path, *, verbose: bool = True, max_nonfinite_steps: in
                     summary = _train(r, verbose and rank0, console)
             finally:  # the module holds the checkpoint's weights, and this run's steps
                 if model is not None:
-                    _mark(model, r)
+                    _mark(model, r, run_dir)
     return _unless_stopped(Result(r, summary, run_dir))
 
 

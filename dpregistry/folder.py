@@ -65,7 +65,9 @@ class RunFolder:
                 newest = ckpt.list_checkpoints(self.checkpoints)
             except OSError:
                 newest = []
-            kept = (f"the last good checkpoint (step {newest[-1][0]}) is kept; free space or fix the folder, "
+            fix = ("remove the symbolic link (a run writes no file through one)" if e.errno == errno.ELOOP
+                   else "free space or fix the folder")
+            kept = (f"the last good checkpoint (step {newest[-1][0]}) is kept; {fix}, "
                     f"then `dpreg resume {self.path}`") if newest else "no checkpoint was written"
             raise UserError(f"cannot write {getattr(e, 'filename', None) or path} ({e.strerror or e}); {kept}",
                             file=str(self.path)) from None
@@ -295,8 +297,31 @@ def check_out(out: Path, overwrite: bool) -> Path:
     return out
 
 
+#: what a run folder's own folders hold (--overwrite removes them only then)
+RUN_SUBFOLDERS = {"checkpoints": lambda name: bool(ckpt.NAME.match(name)),
+                  "report": lambda name: name in {"report.md", "overview.png", "loss.png", "eval.png", "epsilon.png"}}
+
+
+def _run_made(p: Path) -> bool:
+    """Whether ``p`` is something a run writes in its folder: a run file, or one of its folders
+    holding only what runs write there (a `report/` holding a thesis is not)."""
+    if p.name not in RUN_FILES and not _leftover(p):
+        return False
+    if p.name in RUN_SUBFOLDERS and p.is_dir() and not p.is_symlink():
+        return all(RUN_SUBFOLDERS[p.name](q.name) or _leftover(q) for q in p.iterdir())
+    return True
+
+
+def no_linked_folders(out: Path) -> None:
+    """Refuse a run folder whose own folders are symbolic links: the run would write and delete
+    in the folder they name."""
+    for name in RUN_SUBFOLDERS:
+        if (out / name).is_symlink():
+            raise UserError(f"{name}/ is a symbolic link; a run writes only in its own folders", file=str(out / name))
+
+
 def _refuse_nonempty(out: Path, entries: list[Path], overwrite: bool) -> None:
-    if overwrite and (others := sorted(p.name for p in entries if p.name not in RUN_FILES and not _leftover(p))):
+    if overwrite and (others := sorted(p.name for p in entries if not _run_made(p))):
         shown = ", ".join(others[:3]) + (", …" if len(others) > 3 else "")
         raise UserError(f"--overwrite replaces a run folder, and this folder holds other files too ({shown}); "
                         f"choose another folder", file=str(out))
@@ -393,6 +418,7 @@ def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int
     rpath = out_dir / "recipe.json"
     if not rpath.exists():
         raise not_a_run_folder(out_dir)
+    no_linked_folders(out_dir)
     try:
         stored = json.loads(files.read_regular(rpath, "recipe.json", limit=files.RUN_JSON_LIMIT))
     except (OSError, ValueError, RecursionError):
@@ -506,8 +532,8 @@ def _check_ledger(run, tensors: dict[str, Any], meta: dict[str, Any], path: Path
     if recorded is None:
         if last is None and step > 0:
             refuse(f"ledger.jsonl is missing but the checkpoint is at step {step}")
-        if last is not None and not (step > last["step"] and extends(last["entries"], entries)):
-            refuse(f"its ledger at step {step} does not continue ledger.jsonl (last recorded at step {last['step']})")
+        if last is not None and not journal.fits(step, entries):
+            refuse(f"its ledger at step {step} does not fit ledger.jsonl (last recorded at step {last['step']})")
     if any(e["last_step"] >= step for e in entries):
         refuse(f"its ledger charges steps after its own step {step}")
     if line and line.get("state") not in (None, ckpt.state_digest(tensors, meta)):

@@ -127,6 +127,16 @@ class LedgerFile:
         if why:
             raise UserError(f"{why} (nothing was written)", file=str(self.path))
 
+    def fits(self, step: int, entries: list[dict[str, Any]]) -> bool:
+        """Whether the ledger ``entries`` of a checkpoint at ``step`` that no line records fits the
+        file: it extends the line before its step and the line after it extends it (a checkpoint
+        written by a replay between two recorded steps, or one a kill left ahead of the last line)."""
+        lines = self.lines()
+        before = [r for r in lines if r["step"] < step]
+        after = [r for r in lines if r["step"] > step]
+        return (not before or extends(before[-1]["entries"], entries)) and (
+            not after or extends(entries, after[0]["entries"]))
+
     def record(self, step: int, entries: list[dict[str, Any]], state: str | None = None) -> None:
         """Append the ledger of the checkpoint just written at ``step`` (with ``state``, the
         checkpoint's digest, in keyed runs: see :meth:`check_replay`). A step already recorded (a
@@ -139,11 +149,9 @@ class LedgerFile:
                 raise RuntimeError(f"step {step}: the ledger differs from the one {self.path} recorded at that step")
             return
         lines = self.lines()
-        before = [r for r in lines if r["step"] < step]
-        after = [r for r in lines if r["step"] > step]
-        if (before and not extends(before[-1]["entries"], entries)) or (after and not extends(entries, after[0]["entries"])):
+        if not self.fits(step, entries):
             raise RuntimeError(f"step {step}: the ledger does not fit between the ones {self.path} recorded")
-        if after:
+        if lines and lines[-1]["step"] > step:
             return  # a replayed step between two recorded ones: consistent, and the file only grows at its end
         prev = lines[-1]["hash"] if lines else GENESIS
         rec = {"step": step, "entries": entries, "prev": prev, "hash": _digest(prev, step, entries, state)}

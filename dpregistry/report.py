@@ -11,7 +11,7 @@ from . import checkpoint as ckpt
 from .errors import UserError
 from . import files
 from .files import read_regular
-from .folder import read_metrics, released_after
+from .folder import no_linked_folders, read_metrics, released_after
 from .ledger_file import LedgerFile, extends
 from .privacy.accountant import Accountant, Budget, Ledger, make_accountant
 from .privacy.events import PrivacyEvent, any_nonprivate
@@ -142,8 +142,7 @@ def newest_ledger(run_dir: Path, meta: dict[str, Any],
                         file=str(run_dir))
     # the checkpoint must be this run's: the line recorded at its step, or one that continues the last
     line = journal.line(step)
-    if (line is not None and line["entries"] != entries) or (
-            line is None and last is not None and not (step > last["step"] and extends(last["entries"], entries))):
+    if (line is not None and line["entries"] != entries) or (line is None and not journal.fits(step, entries)):
         raise UserError(f"the newest valid checkpoint (step {step}) does not hold the ledger that ledger.jsonl "
                         f"records: it is not this run's", file=str(run_dir))
     if last is None and step > 0:
@@ -280,6 +279,7 @@ def write_report(run_dir: Path) -> list[Path]:
     rep = privacy_report(run_dir, plot=False)
     recipe, summary = rep["recipe"], rep["summary"]
     rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= rep["step"]]
+    no_linked_folders(run_dir)
     out = run_dir / "report"
     try:
         out.mkdir(exist_ok=True)

@@ -71,6 +71,7 @@ class Run:
         self._sampled_charge_step: int | None = None  # see charge()
         self._read_batch_step: int | None = None       # see check_charged()
         self._checked_batch: torch.Tensor | None = None  # see privatize_batch()
+        self._ever: tuple[int, set] | None = None        # see _ever_charged()
 
         def make(kind):
             entry, params = recipe.stages[kind]
@@ -433,21 +434,34 @@ class Run:
         that never calls ``charge``, would leave ε at 0), among them every event its releases
         stated (a noisy norm released and left uncharged beside a charged gradient). The sampler
         may still charge nothing for them (a shuffled epoch's later steps, covered by parallel
-        composition at its first)."""
+        composition at its first), but not before anything was charged, and the events it charges
+        wrap the released ones: a released event no charge ever held was never paid for."""
         who = f"algorithm {self.algorithm.name!r} (privatizer {self.privatizer.name!r})"
         if uncharged := self._released - self._charged:
             raise RuntimeError(f"{who} released {', '.join(e.describe() for e in uncharged.elements())} at step "
                                f"{self.step} without charging it: charge every release's events")
-        if self._charged and not self.accountant.ledger.entries:
-            # parallel composition lets a sampler charge nothing at a later step of its epoch or
-            # period, never at the first step that released
-            raise RuntimeError(f"sampler {self.sampler.name!r} charged nothing for the releases of step {self.step} "
-                               f"(account() returned no charge), and the ledger holds none before them")
         read = self._read_batch_step == self.step
         if (read or ctx._services.calls > 0) and not self._charged and not self.privatizer.prepaid(ctx):
             raise RuntimeError(f"{who} {'privatized a batch' if read else 'drew noise'} at step {self.step} but "
                                f"charged nothing: every release pays with privacy events (NonPrivate for a "
                                f"non-private one)")
+        if (read or ctx._services.calls > 0 or self._charged) and not self.accountant.ledger.entries:
+            # parallel composition (or a prepaid period) lets a step charge nothing when an earlier
+            # step of its epoch or period charged it, never when nothing was charged yet
+            raise RuntimeError(f"{who}, sampler {self.sampler.name!r}: step {self.step} released, and the ledger "
+                               f"holds no charge (account() returned none, or the step was said to be prepaid)")
+        if unmatched := [e for e in self._charged if e not in self._ever_charged()]:
+            raise RuntimeError(f"sampler {self.sampler.name!r}: the charges of step {self.step} do not hold "
+                               f"{', '.join(e.describe() for e in unmatched)}, which it released, and no earlier "
+                               f"charge does: a sampler wraps the released events (sampling, partitions), never "
+                               f"replaces them")
+
+    def _ever_charged(self) -> set[PrivacyEvent]:
+        """Every event the ledger holds, wrappers and what they wrap (cached by the ledger's length)."""
+        events = self.accountant.ledger.events
+        if self._ever is None or self._ever[0] != len(events):
+            self._ever = (len(events), {n for e in events for n in nodes(e)})
+        return self._ever[1]
 
     def privatize_batch(self, indices: torch.Tensor) -> ClippedSum:
         """Clip-and-sum every contribution of this rank's shard, and combine across ranks.
@@ -460,6 +474,9 @@ class Run:
         drawn_from = len(self.users.members) if self.group > 1 else self.objective.n_train  # ELS: the kept ones
         # a batch passed again unchanged (a KL algorithm's full batch, 10⁷ records) is checked once;
         # "unchanged" by its values (a write through .data or a NumPy view keeps the version counter)
+        if indices.dim() != 1:
+            raise RuntimeError(f"sampler {self.sampler.name!r}: a batch is a 1-D tensor of record indices, got "
+                               f"shape {tuple(indices.shape)}")
         checked = self._checked_batch
         if checked is None or checked.shape != indices.shape or not torch.equal(checked, indices):
             if len(indices) and not _each_once(indices, drawn_from):
@@ -469,7 +486,11 @@ class Run:
         if self.users is not None and self.group > 1:  # ELS: the sampler drew among the kept records
             indices = self.users.members[indices]
         shard = self.comm.shard(indices)
-        rows = _Rows(self.estimator.name, shard)
+        # the rows are checked against a copy the estimator cannot write into (one process without
+        # ELS is given the checked batch itself: no clone of a KL full batch of 10⁷ records)
+        mapped = self.users is not None and self.group > 1
+        reference = shard.clone() if mapped or self.comm.world_size > 1 else self._checked_batch
+        rows = _Rows(self.estimator.name, reference)
         for contrib in self.estimator.contributions(self.objective, shard, self.ctx):
             rows.add(contrib)
             if self.users is not None and self.group == 1:  # ULS: each user's examples are one unit
@@ -624,7 +645,7 @@ def _each_once(indices: torch.Tensor, n: int) -> bool:
         return False
     seen = torch.zeros(n, dtype=torch.bool, device=indices.device)
     seen[indices] = True
-    return int(seen.sum()) == len(indices)
+    return int(seen.sum()) == indices.numel()
 
 
 AMPLIFIED = (PoissonSampled, SampledWithoutReplacement)  # events amplified by a secret batch
@@ -664,7 +685,7 @@ class _Rows:
                 return
             extra, missing = _excess(named, batch), _excess(batch, named)
             found = "; ".join([f"more rows than the batch holds for {_listed(extra)}"] * bool(extra)
-                              + [f"no row for {_listed(missing)}"] * bool(missing))
+                              + [f"no row for {_listed(missing)}"] * bool(missing)) or "records named twice"
         elif self.rows == len(batch):
             return
         else:

@@ -151,6 +151,55 @@ class Unnamed(shipped("estimator", "per_example_grad")):
             yield c
 
 
+class Rewrites(shipped("estimator", "per_example_grad")):
+    """Writes the first records into the batch it is given, then estimates on it (review 20:
+    records 0..B-1 took part in every step, charged at the Poisson rate)."""
+
+    name = "rewrites"
+
+    def contributions(self, objective, indices, ctx):
+        indices[:] = torch.arange(len(indices))
+        yield from super().contributions(objective, indices, ctx)
+
+
+class TwoD(shipped("sampler", "poisson")):
+    """A batch as a column: its length is 1 whatever it holds."""
+
+    name = "two_d"
+
+    def indices(self, ctx):
+        drawn = super().indices(ctx)
+        return torch.stack([drawn[:1], drawn[:1]], 1)
+
+
+class PrepaidFromTheStart(shipped("privatizer", "gaussian")):
+    """Releases that state no events, every step said to be paid for already."""
+
+    name = "prepaid_from_the_start"
+
+    def release(self, total, ctx, *, std=None):
+        out = super().release(total, ctx, std=std)
+        out.events = []
+        return out
+
+    def prepaid(self, ctx):
+        return True
+
+
+class ChargesAnother(shipped("sampler", "poisson")):
+    """Charges a Gaussian of a million times the noise instead of the one released."""
+
+    name = "charges_another"
+
+    def account(self, step, events, ctx):
+        from dpregistry.privacy.events import Gaussian, PoissonSampled
+
+        return [Charge(PoissonSampled(self.q, Gaussian(std=1e6, sensitivity=2.0)))]
+
+    def account_steps(self, steps, events, ctx):
+        return [Charge(c.event, c.partition, c.count * len(steps)) for c in self.account(steps[0], events, ctx)]
+
+
 class QuietPoisson(shipped("sampler", "poisson")):
     """The shipped Poisson sampler, without its word that the batch must stay secret."""
 
@@ -200,12 +249,19 @@ class Swapped(shipped("estimator", "per_example_grad")):
     ({"estimator": {"name": "outside"}}, [Outside], "contributions cover other records than the"),
     ({"sampler": {"name": "zero_count", "batch_size": 16}}, [ZeroCount], "a charge count must be an integer >= 1"),
     ({"sampler": {"name": "charges_nothing", "batch_size": 16}}, [ChargesNothing],
-     "sampler 'charges_nothing' charged nothing for the releases of step 0"),
+     "sampler 'charges_nothing': step 0 released, and the ledger holds no charge"),
     ({"estimator": {"name": "unnamed"}}, [Unnamed], "a contribution of \\d+ rows names no records"),
+    ({"estimator": {"name": "rewrites"}}, [Rewrites], "more rows than the batch holds for record"),
+    ({"sampler": {"name": "two_d", "batch_size": 16}}, [TwoD], r"a batch is a 1-D tensor of record indices, got shape \(1, 2\)"),
+    ({"privatizer": {"name": "prepaid_from_the_start", "clip": 1.0, "noise_multiplier": 1.0}}, [PrepaidFromTheStart],
+     "step 0 released, and the ledger holds no charge"),
+    ({"sampler": {"name": "charges_another", "batch_size": 16}}, [ChargesAnother],
+     r"the charges of step 0 do not hold gaussian\(.*\), which it released"),
     ({"estimator": {"name": "swapped"}}, [Swapped], r"more rows than the batch holds for record \d+; no row for record \d+\)"),
 ], ids=["empty events", "no charge", "one release of two charged", "a record twice in the batch", "charged twice", "charged twice, sampler silent", "rows twice",
         "a record outside the batch", "a charge of count 0", "no charge from the sampler",
-        "rows that name no records", "a record swapped for one outside"])
+        "rows that name no records", "a batch rewritten by its estimator", "a 2-D batch", "prepaid from the start",
+        "another event charged", "a record swapped for one outside"])
 def test_a_stage_that_breaks_the_contract_stops_the_run_before_its_step_counts(over, stages, refusal, tmp_path):
     """Each ran to the end before: ε printed 0 for the first two (true: 3 at z = 5.2), the honest
     run's for the others (true 13.96 against 12.41 printed for a batch charged twice with the

@@ -586,3 +586,40 @@ def test_own_peft_model_exports_its_adapter(tmp_path):
     with pytest.raises(dpregistry.UserError, match="peft adapters outside a PeftModel"):
         result.export(tmp_path / "injected")
     assert not (tmp_path / "injected").exists()
+
+
+def test_a_model_changed_after_its_run_is_not_exported_with_its_card(tmp_path):
+    """Review 20: the mark was per module object, so weights trained again through a module that
+    wraps them, edited by hand, or replaced by a refused resume of another run were exported with
+    the first run's card; resuming a finished folder re-marked the module and refused its export."""
+    import copy
+
+    import torch
+
+    model, _, data, loss = tiny_bert_task(40)
+    recipe = {"algorithm": "dp_sgd", "sampler": {"batch_size": 8}, "update": {"lr": 0.1},
+              "privacy": {"epsilon": 4.0, "delta": 1e-3}, "train": {"steps": 2, "progress": False}}
+    start = copy.deepcopy(model)
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kw):
+            return self.inner(*args, **kw)
+
+    first = dpregistry.train(recipe, model=model, loss=loss, train_data=data, out=tmp_path / "first", verbose=False)
+    dpregistry.train(recipe, model=Wrap(model), loss=loss, train_data=data, verbose=False)
+    with pytest.raises(dpregistry.UserError, match="weights changed after this run"):
+        first.export(tmp_path / "wrapped")
+
+    edited = dpregistry.train(recipe, model=copy.deepcopy(start), loss=loss, train_data=data, verbose=False)
+    with torch.no_grad():
+        edited.model.classifier.weight.add_(1.0)
+    with pytest.raises(dpregistry.UserError, match="weights changed after this run"):
+        edited.export(tmp_path / "edited")
+
+    again = dpregistry.resume(tmp_path / "first", model=model, loss=loss, train_data=data, verbose=False)
+    assert (again.export(tmp_path / "again") / "README.md").exists()  # the checkpoint's weights: the run's
+    assert (first.export(tmp_path / "first_again") / "README.md").exists()  # the same folder, the same weights

@@ -171,3 +171,55 @@ def test_the_report_states_the_example_level_epsilon_of_an_els_run_from_its_ledg
     from dpregistry.report import unit_line
 
     assert f"example-level ε = {true:.4g}" in unit_line(rep)
+
+
+def test_overwrite_looks_inside_the_folders_a_run_writes(tmp_path):
+    """Review 20: a folder holding only report/thesis.tex (a run's folder name) was emptied."""
+    home = tmp_path / "home"
+    (home / "report").mkdir(parents=True)
+    (home / "report" / "thesis.tex").write_text("...")
+    res = dpreg("run", "quickstart", "--out", home, "--overwrite", "-q", "--set", "train.steps=2")
+    assert res.returncode == 2 and "holds other files too (report)" in res.stderr
+    assert (home / "report" / "thesis.tex").read_text() == "..."
+
+
+def test_a_linked_checkpoints_folder_is_refused(tmp_path):
+    """Review 20: O_NOFOLLOW guards the last name only; a resume wrote its checkpoints into (and
+    deleted temporary files from) the folder a `checkpoints` link named."""
+    import shutil
+
+    out = finished(tmp_path)
+    victim = tmp_path / "victim"
+    shutil.move(out / "checkpoints", victim)
+    (victim / ".notes.tmp").write_text("mine")
+    os.symlink(victim, out / "checkpoints")
+    res = dpreg("resume", out, "-q")
+    assert res.returncode == 2 and "checkpoints/ is a symbolic link" in res.stderr
+    assert (victim / ".notes.tmp").read_text() == "mine"
+    res = dpreg("report", out)
+    assert res.returncode == 2 and "symbolic link" in res.stderr
+
+
+def test_a_reproducible_replay_interrupted_between_recorded_steps_resumes_and_reports(tmp_path):
+    """Review 20: a checkpoint written by a replay between two recorded steps (the newest lost, a
+    resume stopped on its way back) fits the ledger file, yet resume and the reports refused it."""
+    from dpregistry.ledger_file import LedgerFile
+
+    out = finished(tmp_path)  # reproducible noise, checkpoints at 0, 4, 8, 12
+    full = LedgerFile(out).last
+    for at, path in ckpt.list_checkpoints(out / "checkpoints"):
+        if at > 4:
+            path.unlink()
+    run = resume_run(out)
+    run.recipe.train.steps = 6  # what a signal at step 6 leaves: the replay's checkpoint at 6
+    run.train()
+    assert max(at for at, _ in ckpt.list_checkpoints(out / "checkpoints")) == 6
+    assert LedgerFile(out).last == full  # the file records up to 12, not 6
+    assert privacy_report(out, plot=False)["step"] == 12
+    assert resume_run(out).step == 6
+
+
+def test_an_overflowing_clip_of_adaptive_noisy_gd_is_a_one_line_error():
+    """Review 20: the KL schedule computed its constants from an infinite sensitivity in the loop."""
+    res = dpreg("validate", "kl_adaptive_gd_diabetes", "--set", "privatizer.clip=1e308")
+    assert res.returncode == 2 and "privatizer.clip" in res.stderr and "\n" not in res.stderr.strip()

@@ -17,6 +17,7 @@ from functools import cached_property
 
 import numpy as np
 
+from dpregistry import UserError
 from dpregistry.privacy.events import clipped_sum_sensitivity
 
 CALIBRATIONS = ("paper", "exact")
@@ -28,7 +29,10 @@ SIZING_MARGIN = 1.0 - 1e-9
 
 def gaussian_cost(sensitivity: float, std: float) -> float:
     """zCDP cost Δ²/(2σ²) of one Gaussian query (Bun–Steinke)."""
-    return math.inf if std == 0 else sensitivity ** 2 / (2.0 * std ** 2)
+    if std == 0:
+        return math.inf
+    ratio = sensitivity / std  # first: Δ² or σ² alone overflows for a clip of 1e300, their ratio does not
+    return ratio * ratio / 2.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,6 +278,12 @@ class AdaptiveConstants:
     beta: float
     lipschitz: float
     relation: str = "replace_one"
+
+    def __post_init__(self):
+        scales = {"sensitivity": self.sensitivity, "σ̂": self.sigma_norm, "σ_min": self.sigma_min}
+        if not all(math.isfinite(v) and v > 0 for v in scales.values()):
+            shown = ", ".join(f"{k} = {v:g}" for k, v in scales.items())
+            raise UserError(f"{self.lipschitz:g} puts the noise scales out of range ({shown})", key="privatizer.clip")
 
     @property
     def sensitivity(self) -> float:
