@@ -85,14 +85,16 @@ def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(tmp_path):
     assert victim.read_text() == "precious user data\n"
 
 
-def test_overwrite_replaces_a_run_folder_only(tmp_path):
-    """--overwrite emptied any folder it was given (a home folder's thesis and keys went)."""
+@pytest.mark.parametrize("folder", ["thesis", "report"])
+def test_overwrite_replaces_a_run_folder_only(folder, tmp_path):
+    """--overwrite emptied any folder it was given (a home folder's thesis and keys went); then,
+    review 20, one whose entries only bore run names (report/thesis.tex)."""
     home = tmp_path / "home"
-    (home / "thesis").mkdir(parents=True)
-    (home / "thesis" / "chapter1.tex").write_text("...")
+    (home / folder).mkdir(parents=True)
+    (home / folder / "chapter1.tex").write_text("...")
     res = dpreg("run", "quickstart", "--out", home, "--overwrite", "-q", "--set", "train.steps=2")
-    assert res.returncode == 2 and "holds other files too (thesis)" in res.stderr
-    assert (home / "thesis" / "chapter1.tex").read_text() == "..."
+    assert res.returncode == 2 and f"holds other files too ({folder})" in res.stderr
+    assert (home / folder / "chapter1.tex").read_text() == "..."
     out = finished(tmp_path)  # a run folder is replaced
     res = dpreg("run", "quickstart", "--out", out, "--overwrite", "-q", "--set", "train.steps=2")
     assert res.returncode == 0, res.stderr
@@ -171,16 +173,6 @@ def test_the_report_states_the_example_level_epsilon_of_an_els_run_from_its_ledg
     from dpregistry.report import unit_line
 
     assert f"example-level ε = {true:.4g}" in unit_line(rep)
-
-
-def test_overwrite_looks_inside_the_folders_a_run_writes(tmp_path):
-    """Review 20: a folder holding only report/thesis.tex (a run's folder name) was emptied."""
-    home = tmp_path / "home"
-    (home / "report").mkdir(parents=True)
-    (home / "report" / "thesis.tex").write_text("...")
-    res = dpreg("run", "quickstart", "--out", home, "--overwrite", "-q", "--set", "train.steps=2")
-    assert res.returncode == 2 and "holds other files too (report)" in res.stderr
-    assert (home / "report" / "thesis.tex").read_text() == "..."
 
 
 def test_a_linked_checkpoints_folder_is_refused(tmp_path):
