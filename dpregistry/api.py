@@ -316,13 +316,13 @@ class Trained:
 
 
 def fingerprint(module) -> tuple:
-    """Each tensor of a module's state by name, summarised by its float64 sum and sum of squares
+    """Each tensor of a module's state by name, summarised as StateWatch summarises a parameter
     (computed where it lives: cheap beside a run, and no copy of a large model)."""
     import torch
 
-    with torch.no_grad():
-        return tuple((name, float(t.double().sum()), float(t.double().square().sum()))
-                     for name, t in module.state_dict().items() if torch.is_tensor(t))
+    from .persample import tensor_summary
+
+    return tuple((name, tensor_summary(t)) for name, t in module.state_dict().items() if torch.is_tensor(t))
 
 
 def _mark(model, run, run_dir: Path | None, before: tuple[str, ...] = ()) -> None:

@@ -20,9 +20,8 @@ layer they cannot serve is refused before step 1, naming the layer. The model ru
 
 from __future__ import annotations
 
-import numbers
-
 import inspect
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 

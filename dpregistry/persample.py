@@ -788,12 +788,18 @@ def _lazy(t: torch.Tensor) -> bool:
     return isinstance(t, nn.parameter.UninitializedTensorMixin)
 
 
-def _fingerprint(p: torch.Tensor) -> tuple:
+def tensor_summary(t: torch.Tensor) -> tuple:
+    """A tensor's values in a few numbers, without a copy: a float64 sum and norm (an integer
+    tensor's sum). A write to it, by any path, changes them (a deliberate edit could keep them)."""
     with torch.no_grad():
-        d = p.detach()
-        values = (float(torch.sum(d, dtype=torch.float64)), float(torch.linalg.vector_norm(d, dtype=torch.float64))) \
-            if d.is_floating_point() else (d.sum().item(),)
-    return p._version, p.data_ptr(), values
+        d = t.detach()
+        if d.is_floating_point():
+            return float(torch.sum(d, dtype=torch.float64)), float(torch.linalg.vector_norm(d, dtype=torch.float64))
+        return (d.sum().item(),)
+
+
+def _fingerprint(p: torch.Tensor) -> tuple:
+    return p._version, p.data_ptr(), tensor_summary(p)
 
 
 def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:

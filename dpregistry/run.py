@@ -441,11 +441,12 @@ class Run:
             raise RuntimeError(f"{who} released {', '.join(e.describe() for e in uncharged.elements())} at step "
                                f"{self.step} without charging it: charge every release's events")
         read = self._read_batch_step == self.step
-        if (read or ctx._services.calls > 0) and not self._charged and not self.privatizer.prepaid(ctx):
+        released = read or ctx._services.calls > 0
+        if released and not self._charged and not self.privatizer.prepaid(ctx):
             raise RuntimeError(f"{who} {'privatized a batch' if read else 'drew noise'} at step {self.step} but "
                                f"charged nothing: every release pays with privacy events (NonPrivate for a "
                                f"non-private one)")
-        if (read or ctx._services.calls > 0 or self._charged) and not self.accountant.ledger.entries:
+        if (released or self._charged) and not self.accountant.ledger.entries:
             # parallel composition (or a prepaid period) lets a step charge nothing when an earlier
             # step of its epoch or period charged it, never when nothing was charged yet
             raise RuntimeError(f"{who}, sampler {self.sampler.name!r}: step {self.step} released, and the ledger "
@@ -457,10 +458,11 @@ class Run:
                                f"replaces them")
 
     def _ever_charged(self) -> set[PrivacyEvent]:
-        """Every event the ledger holds, wrappers and what they wrap (cached by the ledger's length)."""
-        events = self.accountant.ledger.events
-        if self._ever is None or self._ever[0] != len(events):
-            self._ever = (len(events), {n for e in events for n in nodes(e)})
+        """Every event the ledger holds, wrappers and what they wrap (cached by the ledger's number
+        of entries: an entry holds one event, and a step charging it again only adds to its count)."""
+        ledger = self.accountant.ledger
+        if self._ever is None or self._ever[0] != len(ledger.entries):
+            self._ever = (len(ledger.entries), {n for e in ledger.events for n in nodes(e)})
         return self._ever[1]
 
     def privatize_batch(self, indices: torch.Tensor) -> ClippedSum:
@@ -529,7 +531,7 @@ class Run:
     def guarantee(self) -> bool:
         """Whether the reported ε is a privacy guarantee: secret noise, and no release charged as
         non-private (a ``none`` privatizer: ε is infinite)."""
-        return self.rng.guarantee and not any_nonprivate(self.accountant.ledger.events)
+        return self.rng.guarantee and not any_nonprivate(self._ever_charged())
 
     def planned_epsilon(self) -> float:
         """ε of the whole planned run (the ledger and the rest of the plan), in the recipe's unit."""
