@@ -3,7 +3,11 @@
 A checkpoint carries the ledger of its step, but a checkpoint can be lost, deleted or replaced
 by an older or an edited one; resuming from it would forget spending. So every checkpoint write
 also appends the ledger of its step to ``ledger.jsonl``, one line per checkpoint, each line
-chained to the one before by SHA-256. A resume refuses a checkpoint whose ledger is not the line
+chained to the one before by SHA-256. A line holds what changed since the line before: ``keep``,
+the number of that line's entries it keeps, and ``tail``, the entries after them (the last kept
+one may have grown, and is in the tail then), so the file grows with the ledger, not with its
+square (an adaptive run charges another event at every step). Lines of earlier versions hold the
+whole ledger (``entries``) and are read as well. A resume refuses a checkpoint whose ledger is not the line
 of its step (or, for the newest checkpoint written just before a kill, an extension of the last
 line), and a folder with traces of steps taken but no checkpoint.
 
@@ -27,12 +31,32 @@ NAME = "ledger.jsonl"
 GENESIS = "0" * 64
 
 
-def _digest(prev: str, step: int, entries: list[dict[str, Any]], state: str | None = None) -> str:
-    fields = {"prev": prev, "step": step, "entries": entries}
-    if state is not None:
-        fields["state"] = state
-    body = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+FULL = {"step", "entries", "prev", "hash"}     # a line of an earlier version: the whole ledger
+CHANGED = {"step", "keep", "tail", "prev", "hash"}  # what changed since the line before
+
+
+def _line_hash(rec: dict[str, Any]) -> str:
+    """SHA-256 of a line's fields but its hash (its ``prev`` chains it to the line before)."""
+    body = json.dumps({k: v for k, v in rec.items() if k != "hash"}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()
+
+
+def _digest(prev: str, step: int, entries: list[dict[str, Any]], state: str | None = None) -> str:
+    """The hash of a line that holds the whole ledger (as earlier versions wrote them)."""
+    return _line_hash({"prev": prev, "step": step, "entries": entries} | ({} if state is None else {"state": state}))
+
+
+def _entries(rec: Any, before: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The ledger a well-formed line records, given the line before's; None for a malformed one."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+        return None
+    fields = set(rec) - {"state"}
+    if fields == FULL and isinstance(rec["entries"], list):
+        return rec["entries"]
+    keep = rec.get("keep")
+    if fields == CHANGED and isinstance(rec["tail"], list) and type(keep) is int and 0 <= keep <= len(before):
+        return before[:keep] + rec["tail"]
+    return None
 
 
 def extends(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:
@@ -52,7 +76,8 @@ def extends(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:
 
 
 class LedgerFile:
-    """``DIR/ledger.jsonl``: {step, entries, prev, hash} per line."""
+    """``DIR/ledger.jsonl``: {step, keep, tail, prev, hash} per line (and ``state`` in keyed runs);
+    :meth:`lines` gives each with its whole ledger as ``entries``."""
 
     def __init__(self, folder: Path):
         self.path = Path(folder) / NAME
@@ -71,9 +96,8 @@ class LedgerFile:
             for i, line in enumerate(complete, 1):
                 try:
                     rec = json.loads(line)
-                    ok = (isinstance(rec, dict) and rec.get("prev") == prev and isinstance(rec.get("step"), int)
-                          and isinstance(rec.get("entries"), list)
-                          and rec.get("hash") == _digest(prev, rec["step"], rec["entries"], rec.get("state")))
+                    entries = _entries(rec, out[-1]["entries"] if out else [])
+                    ok = entries is not None and rec["prev"] == prev and rec["hash"] == _line_hash(rec)
                 except (ValueError, RecursionError):  # (RecursionError: JSON nested too deep)
                     ok = False
                 if not ok:
@@ -81,8 +105,8 @@ class LedgerFile:
                                     f"damaged); refusing to resume from a ledger that may under-report", file=str(self.path))
                 if out and rec["step"] <= out[-1]["step"]:
                     raise UserError(f"line {i} goes back to step {rec['step']}", file=str(self.path))
-                out.append(rec)
                 prev = rec["hash"]
+                out.append({**rec, "entries": entries})
         self._lines = out
         return out
 
@@ -153,16 +177,18 @@ class LedgerFile:
             raise RuntimeError(f"step {step}: the ledger does not fit between the ones {self.path} recorded")
         if lines and lines[-1]["step"] > step:
             return  # a replayed step between two recorded ones: consistent, and the file only grows at its end
-        prev = lines[-1]["hash"] if lines else GENESIS
-        rec = {"step": step, "entries": entries, "prev": prev, "hash": _digest(prev, step, entries, state)}
+        before = lines[-1]["entries"] if lines else []
+        keep = len(before) - (entries[:len(before)] != before)  # (fits: only the last entry may have grown)
+        rec = {"step": step, "keep": keep, "tail": entries[keep:], "prev": lines[-1]["hash"] if lines else GENESIS}
         if state is not None:
             rec["state"] = state
+        rec["hash"] = _line_hash(rec)
         self._drop_torn_tail()
         with open(self.path, "a", opener=no_follow) as f:
             f.write(json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        lines.append(rec)
+        lines.append({**rec, "entries": entries})
 
     def _drop_torn_tail(self) -> None:
         """Cut a line torn by a kill mid-append, so the next line starts on a line of its own."""

@@ -56,6 +56,49 @@ def test_every_checkpoint_is_recorded_in_a_chained_ledger_file(tmp_path):
     assert lines[-1]["entries"][0]["count"] == 12
 
 
+def test_the_ledger_file_grows_with_the_ledger_not_its_square(tmp_path):
+    """Each line held the whole ledger: adaptive noisy GD charges two new events a step and
+    checkpoints at every logged row, so a run of T steps wrote about T²/10 entries (a 10⁴-step run
+    past the 1 GiB a resume reads). A line now holds what changed since the line before, and
+    reading the file gives back each checkpoint's whole ledger."""
+    from conftest import REPO
+
+    recipe = (REPO / "recipes" / "kl_adaptive_gd_diabetes.yaml").read_text()
+    out = tmp_path / "run"
+    run = make_run(recipe, tmp_path, sets=["privacy.rho=1000", "train.log_every=1"], out=out)
+    run.train()
+    raw = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    final = run.accountant.ledger.to_json()
+    assert len(raw) > 20 and len(final) > 40
+    size, once = (out / "ledger.jsonl").stat().st_size, len(json.dumps(final))
+    assert size < 2 * once + 400 * len(raw), (size, once, len(raw))  # each entry written once (or grown)
+    for step, path in ckpt.list_checkpoints(out / "checkpoints"):
+        assert ckpt.read(path)[1]["ledger"] == LedgerFile(out).at(step)
+    assert LedgerFile(out).last["entries"] == final
+
+
+def test_a_ledger_file_of_whole_ledgers_is_read_and_continued(tmp_path):
+    """Run folders of earlier versions hold the whole ledger on each line; a resume reads them and
+    appends lines of what changed after them, in one chain."""
+    from conftest import rewind
+
+    out = finished(tmp_path)
+    rewind(out, 8)
+    prev, text = GENESIS, ""
+    for r in LedgerFile(out).lines():
+        h = _digest(prev, r["step"], r["entries"])
+        text += json.dumps({"step": r["step"], "entries": r["entries"], "prev": prev, "hash": h}) + "\n"
+        prev = h
+    (out / "ledger.jsonl").write_text(text)
+    resumed = resume_run(out, warn=lambda m: None)
+    resumed.train()
+    raw = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    assert [("entries" in r, "tail" in r) for r in raw] == [(True, False)] * 3 + [(False, True)]
+    assert [r["step"] for r in LedgerFile(out).lines()] == [0, 4, 8, 12]
+    assert LedgerFile(out).last["entries"] == resumed.accountant.ledger.to_json()
+    assert LedgerFile(out).last["entries"][0]["count"] == 12
+
+
 def test_a_forged_checkpoint_that_lowers_the_count_is_refused(tmp_path):
     """The audit lowered the ledger's count in a step-60 checkpoint to 30 and resumed to 90 steps:
     ε 2.999 printed against a true 3.777. The ledger file disagrees with the forgery."""
@@ -92,7 +135,7 @@ def test_an_edited_line_of_the_ledger_file_breaks_the_chain(tmp_path):
     out = finished(tmp_path)
     text = (out / "ledger.jsonl").read_text().splitlines()
     rec = json.loads(text[1])
-    rec["entries"][0]["count"] = 1
+    rec["tail"][0]["count"] = 1
     text[1] = json.dumps(rec)
     (out / "ledger.jsonl").write_text("\n".join(text) + "\n")
     res = dpreg("resume", out)
