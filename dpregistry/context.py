@@ -89,7 +89,7 @@ class Context:
     comm: Any                          # dpregistry.distributed's communicator, or a local one
     micro_batch_size: int | None       # the physical batch (gradient accumulation)
     max_steps: int                     # the recipe's train.steps (a cap: a schedule may end sooner)
-    ledger: Any                        # the privacy ledger so far (read it, never write it)
+    ledger: Any                        # the privacy ledger so far (a LedgerView: copies)
     adaptive: bool = False             # the algorithm chooses its noise adaptively (a filter guards it)
     _batch_size: Callable[["Context"], float] | None = field(default=None, repr=False)
     _units: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)  # user of each index
@@ -172,7 +172,7 @@ class Context:
         """A context outside any run, to drive one stage in a unit test: ``provides`` maps the types
         stages ``need`` to values. Secret randomness is reproducible from ``seed`` by default."""
         from .distributed import LocalComm
-        from .privacy.accountant import Ledger
+        from .privacy.accountant import Ledger, LedgerView
         from .rng import RunRNG
 
         rng = RunRNG(seed, noise)
@@ -186,7 +186,7 @@ class Context:
         dev = torch.device(device)
         return cls(step=step, params=params, _device=lambda: dev, relation=relation, n_train=n_train,
                    rng=Randomness(rng), comm=LocalComm(), micro_batch_size=micro_batch_size, max_steps=max_steps,
-                   ledger=Ledger(), _batch_size=lambda c: expected_batch_size,
+                   ledger=LedgerView(Ledger()), _batch_size=lambda c: expected_batch_size,
                    _services=_StepServices(lambda call: rng.noise(step, call)), _provider=provide)
 
     def at(self, step: int) -> "Context":

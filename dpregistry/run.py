@@ -24,10 +24,10 @@ from .context import Context, Randomness, _StepServices
 from .distributed import LocalComm
 from .errors import BudgetExhausted, UserError
 from .persample import StateWatch, probe_indices
-from .privacy.accountant import Budget
-from .privacy.events import (EventError, PoissonSampled, PrivacyEvent, SampledWithoutReplacement, any_nonprivate,
-                             nodes)
+from .privacy.accountant import Budget, LedgerView
+from .privacy.events import EventError, PrivacyEvent, any_nonprivate, nodes
 from .recipe import SECTIONS, Recipe
+from .record_use import AMPLIFIED, RecordUse
 from .rng import RunRNG
 from .spaces import Contribution
 from .stages import Charge, ClippedSum, Objective, Release, Stages
@@ -71,6 +71,7 @@ class Run:
         self._sampled_charge_step: int | None = None  # see charge()
         self._read_batch_step: int | None = None       # see check_charged()
         self._checked_batch: torch.Tensor | None = None  # see privatize_batch()
+        self._batch_digest = ""                           # (compared across ranks)
         self._ever: tuple[int, set] | None = None        # see _ever_charged()
 
         def make(kind):
@@ -90,6 +91,8 @@ class Run:
         # privatizer's release itself, so the run listens on it.
         self._released: Counter = Counter()
         self._charged: Counter = Counter()
+        self._step_charges: list[Charge] = []  # what the sampler made of them
+        self.records = RecordUse(self.sampler.name)  # parallel composition, checked against the batches
         release = self.privatizer.release
 
         def recorded(*args, **kwargs) -> Release:
@@ -168,7 +171,7 @@ class Run:
         return Context(step=step, params=self.params, _device=lambda: self.device, relation=self.relation,
                        n_train=self.n_train, rng=Randomness(self.rng), comm=self.comm,
                        micro_batch_size=self.recipe.train.micro_batch_size, max_steps=self.recipe.train.steps,
-                       ledger=self.accountant.ledger, adaptive=self.algorithm.adaptive,
+                       ledger=LedgerView(self.accountant.ledger), adaptive=self.algorithm.adaptive,
                        _batch_size=lambda c: self.sampler.expected_batch_size(c),
                        _units=(lambda idx: self._user_of[idx]) if self.users is not None and self.group == 1 else None,
                        _services=_StepServices(lambda call: self.rng.noise(step, call)), _provider=self._provide)
@@ -183,7 +186,7 @@ class Run:
     def begin_step(self) -> Context:
         """The context of the step about to be taken (its noise calls and displacement start afresh)."""
         self._ctx = self.context()
-        self._released, self._charged = Counter(), Counter()
+        self._released, self._charged, self._step_charges = Counter(), Counter(), []
         return self._ctx
 
     def _providers(self) -> dict[type, Any]:
@@ -426,6 +429,7 @@ class Run:
             self._sampled_charge_step = self.step
         self.accountant.charge(charges, self.step)
         self._charged.update(events)
+        self._step_charges += charges
         return charges
 
     def check_charged(self, ctx: Context) -> None:
@@ -456,6 +460,7 @@ class Run:
                                f"{', '.join(e.describe() for e in unmatched)}, which it released, and no earlier "
                                f"charge does: a sampler wraps the released events (sampling, partitions), never "
                                f"replaces them")
+        self.records.end_step(self.step, self._step_charges, list(self._charged))
 
     def _ever_charged(self) -> set[PrivacyEvent]:
         """Every event the ledger holds, wrappers and what they wrap (cached by the ledger's number
@@ -485,6 +490,14 @@ class Run:
                 raise RuntimeError(f"sampler {self.sampler.name!r}: a batch holds a record twice or one outside "
                                    f"the {drawn_from} records; each record is in a batch at most once")
             self._checked_batch = indices.clone()
+            self._batch_digest = hashlib.sha256(self._checked_batch.cpu().numpy().tobytes()).hexdigest()
+        self.records.read(self._checked_batch, drawn_from)
+        if self._unlike_rank_0(self._batch_digest) is not None:
+            # each rank takes its share of one batch: a sampler drawing from the process's own
+            # generator gives each rank another batch, and records are summed twice or never
+            raise RuntimeError(f"sampler {self.sampler.name!r}: the ranks drew different batches at step {self.step}; "
+                               f"a batch is drawn once for all ranks, from the run's generators (ctx.rng), not "
+                               f"the process's")
         if self.users is not None and self.group > 1:  # ELS: the sampler drew among the kept records
             indices = self.users.members[indices]
         shard = self.comm.shard(indices)
@@ -586,7 +599,8 @@ class Run:
                 "noise": {"mode": self.rng.noise_mode, "key_fingerprint": self.rng.noise_fingerprint},
                 "nonfinite_steps": self.nonfinite_steps,
                 "log_window": [{k: v for k, v in m.items() if isinstance(v, (int, float))} for m in self.log_window],
-                "ledger": self.accountant.ledger.to_json(), "data": self.data_record}
+                "ledger": self.accountant.ledger.to_json(), "data": self.data_record,
+                "records": self.records.state(tensors, "records")}
         return tensors, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -620,6 +634,7 @@ class Run:
         self.log_window[:] = meta.get("log_window", [])  # the next row averages the same steps
         if meta.get("noise_multiplier") is not None:
             self.privatizer.set_noise_multiplier(meta["noise_multiplier"])
+        self.records.load_state(meta.get("records"), tensors, "records")
         it = {k[len("iterate/"):]: v for k, v in tensors.items() if k.startswith("iterate/")}
         self.iterate_snapshot = it or None
         self._ctx = self.context()
@@ -648,9 +663,6 @@ def _each_once(indices: torch.Tensor, n: int) -> bool:
     seen = torch.zeros(n, dtype=torch.bool, device=indices.device)
     seen[indices] = True
     return int(seen.sum()) == indices.numel()
-
-
-AMPLIFIED = (PoissonSampled, SampledWithoutReplacement)  # events amplified by a secret batch
 
 
 class _Rows:

@@ -12,6 +12,7 @@ accountant reports the worst partition.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -104,6 +105,39 @@ class Ledger:
     @staticmethod
     def from_json(entries: list[dict[str, Any]]) -> "Ledger":
         return Ledger([dict(e) for e in entries])
+
+
+class LedgerView:
+    """The ledger as stages read it (``Context.ledger``): its entries come as copies, so a stage that
+    edits what it read (a count lowered, an entry dropped) leaves the run's ledger as it was."""
+
+    def __init__(self, ledger: Ledger):
+        self._ledger = ledger
+
+    @property
+    def entries(self) -> list[dict[str, Any]]:
+        return copy.deepcopy(self._ledger.entries)
+
+    def grouped(self, extra: Iterable[Charge] = ()) -> dict[str | None, Counter]:
+        return self._ledger.grouped(extra)
+
+    @property
+    def events(self) -> list[PrivacyEvent]:
+        return self._ledger.events
+
+    @property
+    def n_charges(self) -> int:
+        return self._ledger.n_charges
+
+    @property
+    def last_step(self) -> int | None:
+        return self._ledger.last_step
+
+    def until(self, step: int) -> Ledger:
+        return Ledger(copy.deepcopy(self._ledger.until(step).entries))
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return self.entries
 
 
 class Accountant(Stage):
