@@ -487,13 +487,13 @@ def json_or_none(path: Path) -> Any:
 
 
 def released_after(out: Path, step: int, rows: list[dict[str, Any]], summary: Any,
-                   evaluations: bool = True, rows_release: bool = False) -> str | None:
+                   secret_noise: bool = True, rows_release: bool = False) -> str | None:
     """What in the folder shows a release after ``step``, or None: the model written at the end,
     the summary, a held-out evaluation, or any row of an algorithm whose step metrics are
     functions of its releases (``rows_release``: ``Algorithm.logs_releases``). Each follows the
     checkpoint of its step, which ledger.jsonl records, so with a valid ledger none is later than
-    its newest line; evaluations and such rows only where the noise is a guarantee: reproducible
-    runs log them between checkpoints."""
+    its newest line. Metric rows count only with ``secret_noise`` (a run whose ε is a guarantee):
+    a reproducible run logs them between checkpoints."""
     if isinstance(summary, dict) and isinstance(summary.get("step"), int) and summary["step"] > step:
         return f"summary.json records step {summary['step']}"
     model = out / "model.safetensors"
@@ -506,7 +506,7 @@ def released_after(out: Path, step: int, rows: list[dict[str, Any]], summary: An
             at = None
         if isinstance(at, int) and at > step:
             return f"model.safetensors was written at step {at}"
-    later = [r for r in rows if evaluations and isinstance(r.get("step"), int) and r["step"] > step]
+    later = [r for r in rows if secret_noise and isinstance(r.get("step"), int) and r["step"] > step]
     if rows_release and later:
         return f"metrics.jsonl holds a row of step {max(r['step'] for r in later)}, whose metrics are functions of its releases"
     evals = [r["step"] for r in later if any(str(k).startswith("eval/") for k in r)]
