@@ -3,13 +3,15 @@
 A checkpoint carries the ledger of its step, but a checkpoint can be lost, deleted or replaced
 by an older or an edited one; resuming from it would forget spending. So every checkpoint write
 also appends the ledger of its step to ``ledger.jsonl``, one line per checkpoint, each line
-chained to the one before by SHA-256. A line holds what changed since the line before: ``keep``,
-the number of that line's entries it keeps, and ``tail``, the entries after them (the last kept
-one may have grown, and is in the tail then), so the file grows with the ledger, not with its
-square (an adaptive run charges another event at every step). Lines of earlier versions hold the
-whole ledger (``entries``) and are read as well. A resume refuses a checkpoint whose ledger is not the line
+chained to the one before by SHA-256. A resume refuses a checkpoint whose ledger is not the line
 of its step (or, for the newest checkpoint written just before a kill, an extension of the last
 line), and a folder with traces of steps taken but no checkpoint.
+
+A line holds what changed since the line before: ``keep``, how many of that line's entries it
+keeps, and ``tail``, the entries after them (the last entry may have grown since, and is then in
+the tail), so the file grows with the ledger, not with its square (an adaptive run charges a new
+event at every step). Lines of earlier versions hold the whole ledger (``entries``); they are read
+too.
 
 The chain detects edits of earlier lines and truncation in the middle; anyone who can write the
 folder can still rewrite the whole file, which is why a resume also checks the ledger against
