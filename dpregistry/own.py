@@ -93,7 +93,9 @@ def _user_ids(users: Any, n: int) -> np.ndarray:
         raise refuse(not_floats)
     try:
         return user_numbers(pa.array(values.tolist() if values.dtype == object else values), "users", refuse)
-    except (pa.ArrowException, OverflowError) as e:
+    except OverflowError:
+        raise refuse("users must be integers of at most 64 bits, or texts: pass larger ids as texts") from None
+    except pa.ArrowException as e:
         raise refuse(f"users must be integers or texts, one kind for all ({str(e).splitlines()[0][:120]})") from None
 
 

@@ -17,7 +17,7 @@ from .privacy.accountant import Accountant, Budget, Ledger, make_accountant
 from .privacy.events import PrivacyEvent, any_nonprivate
 from .registry import trust_statement
 from .rng import noise_statement
-from .users import els_group, example_budget, unit_statement, unit_terms, user_epsilon
+from .users import els_group, example_budget, unit_statement, unit_terms, user_epsilon, user_mechanism
 
 PLOT_NAME = "privacy_epsilon.png"
 
@@ -114,7 +114,7 @@ def recomputed(recipe: dict[str, Any], entries: list[dict[str, Any]]):
             return a.rho() * k * k
         return user_epsilon(a.epsilon, k, target.delta, a.budget.delta)
 
-    if k > 1:  # ELS: the example-level spending that group privacy reads (as Run.spent states it)
+    if user_mechanism(recipe) == "els":  # the example-level spending that group privacy reads (Run.spent)
         spent["example_level"] = {key: spent.get(key) for key in ("epsilon", "delta", "rho")}
     if k > 1 and spent.get("epsilon") is not None:  # with k = 1 the accountant's own ε is the unit's
         spent["epsilon"] = in_unit(acc)

@@ -105,11 +105,12 @@ class Run:
         # draws; any other sampler draws examples among the kept ones (ELS), and group privacy of
         # size k turns the accountant's example-level budget into the user-level one.
         self.users: UserGroups | None = None    # the public selection of at most k records per user
+        self.els = self.unit == "user" and self.sampler.samples == "examples"  # else ULS (when user-level)
         self.group = 1                          # ELS: k (the accountant's budget is example-level)
         if self.unit == "user":
             if self.comm.world_size > 1:
                 raise recipe.error("privacy.unit: user runs on one process for now", "privacy", "unit")
-            if self.sampler.samples == "examples":
+            if self.els:
                 self.group = p.max_examples_per_user
                 if self.target.epsilon is None and self.target.rho is None:  # ρ₀ = ρ/k² or δ₀ from ε (example_budget)
                     raise recipe.error(
@@ -173,7 +174,7 @@ class Run:
                        micro_batch_size=self.recipe.train.micro_batch_size, max_steps=self.recipe.train.steps,
                        ledger=LedgerView(self.accountant.ledger), adaptive=self.algorithm.adaptive,
                        _batch_size=lambda c: self.sampler.expected_batch_size(c),
-                       _units=(lambda idx: self._user_of[idx]) if self.users is not None and self.group == 1 else None,
+                       _units=(lambda idx: self._user_of[idx]) if self.users is not None and not self.els else None,
                        _services=_StepServices(lambda call: self.rng.noise(step, call)), _provider=self._provide)
 
     @property
@@ -350,8 +351,9 @@ class Run:
     def _bind_users(self) -> None:
         """The public selection of at most k records per user (from the objective's user ids)."""
         if UserIds not in type(self.objective).provides:
-            raise self.recipe.error(f"user needs the user of each record, and objective "
-                                    f"{self.objective.name!r} has none (name the user id column with data.user)",
+            raise self.recipe.error(f"user needs the user of each record, and objective {self.objective.name!r} "
+                                    f"has none (data files and hub data sets name them with data.user or "
+                                    f"data.rows_per_user; your own data with dpregistry.train(..., users=...))",
                                     "privacy", "unit")
         self._section = "objective"  # the objective's refusal names its own keys (data.user)
         ids = self.objective.provide(UserIds).ids
@@ -361,7 +363,7 @@ class Run:
         self.users = bound_contributions(ids, self.recipe.privacy.max_examples_per_user,
                                          self.rng.step_seed("user_contributions", 0))
         self._given[UserGroups] = self.users
-        self._user_of = torch.empty(self.objective.n_train, dtype=torch.int64)
+        self._user_of = torch.full((self.objective.n_train,), -1, dtype=torch.int64)  # -1: not kept
         self._user_of[self.users.members] = torch.repeat_interleave(
             torch.arange(self.users.n_users), self.users.offsets.diff())
 
@@ -376,7 +378,8 @@ class Run:
             except UserError as e:  # no noise meets the budget: the budget is the key to change
                 if e.file is not None or e.key is not None:
                     raise
-                raise self.recipe.error(e.message, "privacy", "rho" if self.budget.rho is not None else "epsilon") from None
+                raise self.recipe.error(e.message + self._per_example(), "privacy",
+                                        "rho" if self.budget.rho is not None else "epsilon") from None
             self.privatizer.set_noise_multiplier(z)
         self.check_plan()
 
@@ -403,9 +406,19 @@ class Run:
                 self.accountant.approve(plan)
             except BudgetExhausted:
                 spent = "the ledger so far and the rest of the plan" if self.accountant.ledger.entries else "the planned run"
-                raise self.recipe.error(f"{spent} spends {self.accountant.overspend(plan)}; raise the noise, lower "
-                                        f"the steps or the sampling rate, or set privatizer.noise_multiplier: auto",
-                                        "privacy") from None
+                raise self.recipe.error(f"{spent} spends {self.accountant.overspend(plan)}{self._per_example()}; raise "
+                                        f"the noise, lower the steps or the sampling rate, or set "
+                                        f"privatizer.noise_multiplier: auto", "privacy") from None
+
+    def _per_example(self) -> str:
+        """What an ELS refusal's numbers are: the example-level budget the user-level one became."""
+        if self.group == 1:
+            return ""
+        def said(b: Budget) -> str:
+            return ", ".join(f"{name} = {v:g}" for name, v in zip("εδρ", (b.epsilon, b.delta, b.rho)) if v is not None)
+
+        return (f" (per example: group privacy of size {self.group} turns the user-level budget "
+                f"{said(self.target)} into {said(self.budget)} for each example)")
 
     # ------------------------------------------------------------------ step services
 
@@ -478,7 +491,7 @@ class Run:
         total: ClippedSum | None = None
         gathered = False
         self._read_batch_step = self.step
-        drawn_from = len(self.users.members) if self.group > 1 else self.objective.n_train  # ELS: the kept ones
+        drawn_from = len(self.users.members) if self.els else self.objective.n_train  # ELS: the kept ones
         # a batch passed again unchanged (a KL algorithm's full batch, 10⁷ records) is checked once;
         # "unchanged" by its values (a write through .data or a NumPy view keeps the version counter)
         if indices.dim() != 1:
@@ -498,21 +511,23 @@ class Run:
             raise RuntimeError(f"sampler {self.sampler.name!r}: the ranks drew different batches at step {self.step}; "
                                f"a batch is drawn once for all ranks, from the run's generators (ctx.rng), not "
                                f"the process's")
-        if self.users is not None and self.group > 1:  # ELS: the sampler drew among the kept records
+        if self.els:  # the sampler drew among the kept records
             indices = self.users.members[indices]
         shard = self.comm.shard(indices)
         # the rows are checked against a copy the estimator cannot write into (one process without
         # ELS is given the checked batch itself: no clone of a KL full batch of 10⁷ records)
-        mapped = self.users is not None and self.group > 1
-        reference = shard.clone() if mapped or self.comm.world_size > 1 else self._checked_batch
+        reference = shard.clone() if self.els or self.comm.world_size > 1 else self._checked_batch
         rows = _Rows(self.estimator.name, reference)
         for contrib in self.estimator.contributions(self.objective, shard, self.ctx):
             rows.add(contrib)
-            if self.users is not None and self.group == 1:  # ULS: each user's examples are one unit
+            if self.users is not None and not self.els:  # ULS: each user's examples are one unit
                 if contrib.indices is None:
                     raise UserError(f"estimator {self.estimator.name!r} does not say which records its contributions "
                                     f"come from, so it cannot clip users as one (privacy.unit: user)", key="estimator")
                 contrib.groups = self._user_of[contrib.indices]
+                if bool((contrib.groups < 0).any()):
+                    raise RuntimeError(f"sampler {self.sampler.name!r}: a user-level batch holds records outside the "
+                                       f"public selection of at most {self.users.k} per user")
             full = contrib.gather(self.comm) if self.comm.world_size > 1 else None
             gathered = full is not None
             part = self.privatizer.clip_sum(full if gathered else contrib)
@@ -553,7 +568,7 @@ class Run:
     def spent(self) -> dict[str, Any]:
         """What the ledger has spent, in the recipe's unit, with the budget it is held to."""
         s = dict(self.accountant.spent())
-        if self.group > 1:
+        if self.els:
             s["example_level"] = {"epsilon": s.get("epsilon"), "delta": s.get("delta"), "rho": s.get("rho")}
             if s.get("epsilon") is not None:
                 s["epsilon"], s["delta"] = self.epsilon(), self.target.delta
@@ -563,7 +578,7 @@ class Run:
             s["target_epsilon"] = self.target.epsilon
         if self.users is not None:
             s.update(unit="user", users=self.users.n_users, max_examples_per_user=self.users.k,
-                     user_mechanism="els" if self.group > 1 else "uls", user_selection=self.users.digest())
+                     user_mechanism="els" if self.els else "uls", user_selection=self.users.digest())
         else:
             s["unit"] = "example"
         return s

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from .errors import UserError
 from .privacy.accountant import Budget
 
 
@@ -99,9 +100,14 @@ def example_budget(user: Budget, k: int) -> Budget:
         return user
     eps = None if user.epsilon is None else user.epsilon / k
     delta = None
-    if user.delta is not None:
-        delta = user.delta / (k * math.exp((k - 1) * (user.epsilon / k))) if user.epsilon is not None \
-            else user.delta / k
+    if user.delta is not None and user.epsilon is not None:  # δ/(k·e^{(k−1)ε/k}), in logs
+        delta = math.exp(math.log(user.delta) - math.log(k) - (k - 1) * user.epsilon / k)
+        if delta == 0.0:
+            raise UserError(f"privacy.epsilon = {user.epsilon:g} with at most {k} examples per user: group privacy "
+                            f"needs an example-level δ of δ/(k·e^((k−1)ε/k)), below the smallest float; lower the "
+                            f"ε or privacy.max_examples_per_user", key="privacy.epsilon")
+    elif user.delta is not None:
+        delta = user.delta / k
     rho = None if user.rho is None else user.rho / (k * k)
     return Budget(eps, delta, rho, user.relation)
 
@@ -171,8 +177,12 @@ def user_epsilon(epsilon_at: Callable[[float], float], k: int, delta: float, del
 
 
 def user_delta(example_epsilon: float, example_delta: float, k: int) -> float:
-    """The user-level δ of an example-level (ε₀, δ₀), for groups of k: k·e^{(k−1)ε₀}·δ₀."""
-    return k * math.exp((k - 1) * example_epsilon) * example_delta
+    """The user-level δ of an example-level (ε₀, δ₀), for groups of k: k·e^{(k−1)ε₀}·δ₀ (inf past
+    the floats)."""
+    try:
+        return k * math.exp((k - 1) * example_epsilon) * example_delta
+    except OverflowError:
+        return math.inf
 
 
 def unit_statement(summary: dict) -> str:
@@ -187,25 +197,33 @@ def unit_statement(summary: dict) -> str:
     if summary.get("unit") != "user":
         return f"one example: the guarantee {holds} for {change} one training example"
     k, users = summary.get("max_examples_per_user"), summary.get("users")
+    whom = "all the data of one user"
     if summary.get("user_mechanism") == "els":
+        if summary.get("relation") == "replace_one":  # a user's number of kept examples is public
+            whom += " by as many kept examples of another"
         ex = summary.get("example_level") or {}
         how = (f"example-level sampling with at most {k} examples per user; group privacy of size {k} of the "
                f"example-level ε = {ex.get('epsilon', float('nan')):.4g}")
     else:
         how = f"user-level sampling, each user's mean contribution over at most {k} examples clipped as one"
-    return f"one user ({users} users): the guarantee {holds} for {change} all the data of one user; {how}"
+    return f"one user ({users} users): the guarantee {holds} for {change} {whom}; {how}"
+
+
+def user_mechanism(recipe: dict) -> str | None:
+    """How a resolved recipe protects users: "uls" (its sampler samples users), "els" (an
+    example-level sampler: the ledger is example-level, read through group privacy), or None (an
+    example-level run). Decided by the sampler, never by k (ELS with k = 1 is still ELS)."""
+    from .registry import get_registry
+
+    if (recipe.get("privacy") or {}).get("unit") != "user":
+        return None
+    sampler = get_registry().get("sampler", recipe["sampler"]["name"]).cls
+    return "uls" if sampler.samples == "users" else "els"
 
 
 def els_group(recipe: dict) -> int:
-    """k when a resolved recipe is user-level with an example-level sampler (ELS: the ledger is
-    example-level, read through group privacy), else 1."""
-    from .registry import get_registry
-
-    privacy = recipe.get("privacy") or {}
-    if privacy.get("unit") != "user":
-        return 1
-    sampler = get_registry().get("sampler", recipe["sampler"]["name"]).cls
-    return 1 if sampler.samples == "users" else int(privacy["max_examples_per_user"])
+    """The size k of the group privacy that converts an ELS run's example-level ledger, else 1."""
+    return int(recipe["privacy"]["max_examples_per_user"]) if user_mechanism(recipe) == "els" else 1
 
 
 def unit_terms(recipe: dict) -> dict:
@@ -216,4 +234,4 @@ def unit_terms(recipe: dict) -> dict:
     user = privacy.get("unit") == "user"
     return {"unit": "user" if user else "example", "relation": privacy.get("relation"),
             "max_examples_per_user": privacy.get("max_examples_per_user") if user else None,
-            "user_mechanism": ("els" if els_group(recipe) > 1 else "uls") if user else None}
+            "user_mechanism": user_mechanism(recipe)}

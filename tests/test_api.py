@@ -438,8 +438,9 @@ def test_a_loss_that_no_parameter_reaches_is_refused():
     ([True, False] * 300, "bool"), (["a", 1] * 300, "one kind for all"),
     ({i: i // 20 for i in range(600)}, "a sequence of user ids"), ("ab" * 300, "a sequence of user ids"),
     ([np.float32(i // 2) for i in range(600)], "not floats"), ([Decimal(i // 2) for i in range(600)], "not floats"),
-    (torch.arange(600).to(torch.bfloat16), "not floats")],
-    ids=["None", "floats", "2-D", "bools", "mixed kinds", "a dict", "a text", "NumPy floats", "Decimals", "bfloat16"])
+    (torch.arange(600).to(torch.bfloat16), "not floats"), ([2 ** 64 + i // 2 for i in range(600)], "at most 64 bits")],
+    ids=["None", "floats", "2-D", "bools", "mixed kinds", "a dict", "a text", "NumPy floats", "Decimals", "bfloat16",
+         "beyond 64 bits"])
 def test_bad_user_ids_are_one_line_errors(users, says):
     """Review 14: text ids, None, object arrays and 2-D ids escaped as torch's errors, or were flattened;
     review 16: a dict gave its keys (one user per example), a text its characters; review 17: NumPy
@@ -449,6 +450,16 @@ def test_bad_user_ids_are_one_line_errors(users, says):
     with pytest.raises(UserError, match=re.escape(says)) as e:
         dpregistry.train(recipe, model=model, loss=per_example, train_data=train, users=users, verbose=False)
     assert "\n" not in str(e.value)
+
+
+def test_the_functorch_backend_without_functional_losses_is_one_line():
+    """Your own model has per-example losses through its module, not as a function of the
+    parameters: ``backend: functorch`` raised a bare NotImplementedError mid-step (review 22)."""
+    model, train, _ = own()
+    recipe = dict(RECIPE, estimator={"backend": "functorch"})
+    with pytest.raises(UserError, match="backend 'functorch' needs per-example losses as a function") as e:
+        dpregistry.train(recipe, model=model, loss=per_example, train_data=train, verbose=False)
+    assert "\n" not in str(e.value) and "hooks" in str(e.value)
 
 
 def test_text_user_ids_are_numbered_as_a_files_user_column_is():

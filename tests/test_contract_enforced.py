@@ -509,6 +509,9 @@ def test_the_unit_statement_names_the_relation_that_was_accounted(relation, says
         {**summary, "guarantee": False})
     user = unit_statement({**summary, "unit": "user", "users": 10, "max_examples_per_user": 2})
     assert ("adding or removing all the data" if relation == "add_remove" else "replacing all the data") in user
+    # ELS: a user's number of kept examples is public, so a replacement keeps it (review 22)
+    els = unit_statement({**summary, "unit": "user", "users": 10, "max_examples_per_user": 2, "user_mechanism": "els"})
+    assert ("by as many kept examples of another" in els) == (relation == "replace_one")
 
 
 def test_a_run_without_a_budget_whose_epsilon_cannot_be_computed_is_refused_before_its_folder(tmp_path):

@@ -317,6 +317,76 @@ def test_uls_accounts_users_and_els_accounts_examples_with_group_privacy():
     assert els.accountant.ledger.to_json()[0]["event"]["q"] == pytest.approx(30 / 120)
 
 
+def test_els_with_one_example_per_user_trains_on_one_kept_example_of_each_user():
+    """ELS was told from ULS by k > 1: with k = 1 an example-level sampler's draws among the kept
+    records were used as file rows (the first rows, whoever owned them) and clipped per "user"
+    through ids of uninitialised memory; a user with 50 rows moved the sum by 26 C (review 22). The
+    mechanism is now the sampler's: each step reads kept records only, one per user, per example."""
+    users = torch.arange(240) // 12  # 20 users of 12 rows each, in order: rows 0..19 are users 0 and 1
+    recipe = {"algorithm": "dp_sgd", "update": {"lr": 0.1}, "train": {"steps": 2, "progress": False},
+              "sampler": {"name": "full_batch"}, "accountant": "pld",
+              "privacy": {"epsilon": 4.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 1}}
+    run = _own_run(recipe, users)
+    read = []
+    contributions = run.estimator.contributions
+
+    def recorded(objective, indices, ctx):
+        for c in contributions(objective, indices, ctx):
+            assert c.groups is None  # clipped per example, not per "user"
+            read.append(c.indices.clone())
+            yield c
+
+    run.estimator.contributions = recorded
+    s = run.train()
+    rows = torch.cat(read)
+    assert len(rows) == 2 * 20 and set(rows.tolist()) == set(run.users.members.tolist())
+    assert sorted(users[rows[:20]].tolist()) == list(range(20))  # one kept example of each user a step
+    assert s["user_mechanism"] == "els" and s["example_level"]["epsilon"] == s["epsilon"] <= 4.0
+
+
+def test_a_uls_batch_with_a_record_outside_the_selection_is_refused():
+    """The user of a record the public selection did not keep was uninitialised memory; it is -1,
+    and a ULS batch that holds such a record stops the run (its rows would be clipped as nobody's)."""
+    from dpregistry import StagePlugin
+    from dpregistry.registry import Registry
+
+    class Stray(get_registry().get("sampler", "user_poisson").cls):
+        name = "stray"
+
+        row = None  # a row the selection did not keep
+
+        def indices(self, ctx):
+            return torch.cat([super().indices(ctx), torch.tensor([self.row])])
+
+    registry = Registry().load_entry_points()
+    registry.add_plugin(StagePlugin(Stray), origin="test", name="test")
+    torch.manual_seed(0)
+    x, y = torch.randn(240, 4), torch.randint(0, 2, (240,))
+    objects = OwnObjects(nn.Linear(4, 2), per_example, list(zip(x, y)), users=torch.arange(240) // 12)
+    recipe = {"objective": "python", "seed": 0, "algorithm": "dp_sgd", "train": {"steps": 2, "progress": False},
+              "sampler": {"name": "stray", "users_per_step": 5}, "privatizer": {"noise_multiplier": 1.0},
+              "privacy": {"epsilon": 50.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 4}}
+    run = Run(resolve(recipe, {}, registry), provides={OwnObjects: objects}).prepare()
+    Stray.row = next(r for r in range(12) if r not in run.users.members.tolist())  # one of user 0's
+    with pytest.raises(RuntimeError, match="records outside the public selection of at most 4 per user"):
+        run.train()
+
+
+def test_an_els_target_beyond_the_floats_is_one_line_and_refusals_name_the_per_example_budget(tmp_path):
+    """Group privacy of size k needs δ₀ = δ/(k·e^{(k−1)ε/k}): at ε = 1000 and k = 5 its float
+    overflowed into a traceback. An over-budget ELS plan quoted the example-level numbers as if
+    they were the budget the user set."""
+    users = torch.arange(240) // 12
+    base = {"algorithm": "dp_sgd", "train": {"steps": 50, "progress": False}, "sampler": {"name": "poisson", "batch_size": 60}}
+    with pytest.raises(UserError, match="below the smallest float"):
+        _own_run({**base, "privacy": {"epsilon": 1000.0, "delta": 1e-5, "unit": "user", "max_examples_per_user": 5}},
+                 users)
+    with pytest.raises(UserError, match=r"per example: group privacy of size 3 turns the user-level budget "
+                                        r"ε = 6, δ = 0.0001 into ε = 2, δ = 6.\d+e-07 for each example"):
+        _own_run({**base, "privatizer": {"noise_multiplier": 0.5},
+                  "privacy": {"epsilon": 6.0, "delta": 1e-4, "unit": "user", "max_examples_per_user": 3}}, users)
+
+
 @pytest.mark.parametrize("recipe, says", [
     ({"privacy": {"epsilon": 4.0, "delta": 1e-3, "unit": "user"}}, "max_examples_per_user"),
     ({"sampler": {"name": "user_poisson", "users_per_step": 4}, "privacy": {"epsilon": 4.0, "delta": 1e-3}},

@@ -51,6 +51,11 @@ class PerExampleGrad(Estimator):
         if backend == "hooks" and module is None:
             raise UserError("per_example_grad backend 'hooks' needs an objective with a torch module",
                             key="estimator.backend")
+        if backend == "functorch" and type(objective).functional_losses is Objective.functional_losses:
+            instead = "; use backend: hooks" if module is not None else ", nor a torch module for the hooks"
+            raise UserError(f"per_example_grad backend 'functorch' needs per-example losses as a function of the "
+                            f"parameters, and objective {objective.name!r} has none (functional_losses){instead}",
+                            key="estimator.backend")
         if self.cfg.passes == 2 and backend != "hooks":
             raise UserError("per_example_grad passes: 2 needs the hooks backend (an objective with a torch module)",
                             key="estimator.passes")
