@@ -8,11 +8,14 @@ accountant takes that structure on the sampler's word. :class:`RecordUse` checks
 records the run actually privatized, so a sampler that claims it wrongly stops the run instead of
 printing a smaller ε:
 
-* A step whose charges hold every event it released is *covered by its own charge*. A step that
-  charges less (nothing, or a part: a shuffled epoch's later step, a tree's prepaid step) relies on
-  the last such covering charge, which paid for one use of each record from that step on. So no
-  record may be read twice between two covering charges, and a covering charge amplified by the
-  secrecy of its batch (Poisson, without replacement) covers its own batch only.
+* A step whose charges hold every event it released, as many times as it released it, is
+  *covered by its own charge*. A step that charges less (nothing, or a part: a shuffled epoch's
+  later step, a tree's prepaid step) relies on the last such covering charge, which paid for one
+  use of each record from that step on by the events it holds. So there must be such a charge;
+  what the step does not pay for itself must be among what that charge holds (no costlier
+  mechanism, no more releases); no record may be read twice between two covering charges; and a
+  covering charge amplified by the secrecy of its batch (Poisson, without replacement) covers its
+  own batch only.
 * Each record lies in at most one named partition: a record read in a step charged to partition p
   is never read in a step charged to another (records of unpartitioned steps are in every
   partition's composition already). A step's batch lies in one partition.
@@ -23,12 +26,13 @@ checkpoint, so a resume does not forget what the earlier steps read.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
 import torch
 
-from .privacy.events import PoissonSampled, PrivacyEvent, SampledWithoutReplacement, nodes
+from .privacy.events import PoissonSampled, PrivacyEvent, SampledWithoutReplacement, held, nodes
 from .stages import Charge
 
 AMPLIFIED = (PoissonSampled, SampledWithoutReplacement)  # events amplified by a secret batch
@@ -42,6 +46,7 @@ class RecordUse:
         self.n = 0
         self._step: list[torch.Tensor] = []       # the batches of the step in progress
         self._cover_step: int | None = None       # the step of the last covering charge
+        self._cover_held: Counter | None = Counter()  # the events it holds, counted (None: not known)
         self._cover_amplified = False
         self._cover_partition: str | None = None
         self._cover: list[torch.Tensor] = []      # its batches; a mask once a step relies on it
@@ -54,12 +59,13 @@ class RecordUse:
         self.n = max(self.n, n)
         self._step.append(batch)
 
-    def end_step(self, step: int, charges: list[Charge], events: list[PrivacyEvent]) -> None:
+    def end_step(self, step: int, charges: list[Charge], events: Counter) -> None:
         """Check the step's records against its ``charges`` (the sampler's) and ``events`` (what the
-        algorithm charged), then record them. Raises RuntimeError: the sampler's slip."""
+        algorithm charged, counted), then record them. Raises RuntimeError: the sampler's slip."""
         batches, self._step = self._step, []
-        covered = set().union(*(nodes(c.event) for c in charges)) if charges else set()
-        covering = bool(charges) and all(e in covered for e in events)
+        holds = sum((held(c.event, c.count) for c in charges), Counter())
+        unpaid = events - holds  # what this step released and its own charges do not hold
+        covering = bool(charges) and not unpaid
         named = {c.partition for c in charges if c.partition is not None}
         if not covering and self._cover_partition is not None:
             named.add(self._cover_partition)
@@ -68,14 +74,14 @@ class RecordUse:
                                f"{', '.join(sorted(named))} for one batch; a record lies in one partition, so a "
                                f"step's batch does")
         if covering:
-            self._cover_step, self._cover, self._since = step, batches, None
+            self._cover_step, self._cover, self._since, self._cover_held = step, batches, None, holds
             self._cover_amplified = any(isinstance(e, AMPLIFIED) for c in charges for e in nodes(c.event))
             self._cover_partition = next(iter(named), None)
         if not batches or (covering and not named):
             return  # (the common step: nothing to look up)
         records = self._distinct(batches)
         if not covering:
-            self._relies_on_cover(step, records)
+            self._relies_on_cover(step, records, unpaid)
         if named:
             self._in_partition(step, records, named.pop())
 
@@ -88,8 +94,17 @@ class RecordUse:
             seen[b.reshape(-1).cpu()] = True
         return seen.nonzero().flatten()
 
-    def _relies_on_cover(self, step: int, records: torch.Tensor) -> None:
+    def _relies_on_cover(self, step: int, records: torch.Tensor, unpaid: Counter) -> None:
         since = f"since the charge at step {self._cover_step}" if self._cover_step is not None else "before"
+        if self._cover_held is not None and self._cover_step is None:
+            raise RuntimeError(f"sampler {self.sampler!r}: step {step} read records and charged less than it released "
+                               f"({_listed(unpaid)} unpaid), and no earlier step's charges held all it released; "
+                               f"charge every release's events (a composition of the same event counts each)")
+        if self._cover_held is not None and (beyond := unpaid - self._cover_held):
+            raise RuntimeError(f"sampler {self.sampler!r}: step {step} released {_listed(beyond)} beyond its own "
+                               f"charges, relying on the charge at step {self._cover_step}, which does not hold "
+                               f"{'it' if sum(beyond.values()) == 1 else 'them'}: a cover pays for the mechanisms it "
+                               f"holds, once per record; charge the rest")
         if self._cover_amplified:
             raise RuntimeError(f"sampler {self.sampler!r}: step {step} read records and charged less than it released, "
                                f"relying on the charge at step {self._cover_step}; that charge is amplified by the "
@@ -146,12 +161,15 @@ class RecordUse:
         if self._owner is not None:
             tensors[f"{prefix}/owner"] = self._owner.clone()
         return {"n": self.n, "cover_step": self._cover_step, "cover_amplified": self._cover_amplified,
-                "cover_partition": self._cover_partition, "partitions": list(self._partitions)}
+                "cover_partition": self._cover_partition, "partitions": list(self._partitions),
+                "cover_held": [[e.to_dict(), n] for e, n in (self._cover_held or {}).items()]}
 
     def load_state(self, meta: dict[str, Any] | None, tensors: dict[str, torch.Tensor], prefix: str) -> None:
-        if not meta:  # a checkpoint of an earlier version: what its steps read is not known
+        if not meta:  # a checkpoint of an earlier version: what its steps read and charged is not known
+            self._cover_held = None
             return
         self.n = int(meta["n"])
+        self._cover_held = Counter({PrivacyEvent.from_dict(e): n for e, n in meta.get("cover_held", [])})
         self._cover_step, self._cover_amplified = meta["cover_step"], bool(meta["cover_amplified"])
         self._cover_partition, self._partitions = meta["cover_partition"], list(meta["partitions"])
         self._cover, self._since, self._owner = [], None, None
@@ -160,3 +178,7 @@ class RecordUse:
             self._since = torch.from_numpy(bits.astype(bool))
         if f"{prefix}/owner" in tensors:
             self._owner = tensors[f"{prefix}/owner"].to(torch.int32).clone()
+
+
+def _listed(events: Counter) -> str:
+    return ", ".join(f"{n}×{e.describe()}" if n > 1 else e.describe() for e, n in events.items())

@@ -473,7 +473,7 @@ class Run:
                                f"{', '.join(e.describe() for e in unmatched)}, which it released, and no earlier "
                                f"charge does: a sampler wraps the released events (sampling, partitions), never "
                                f"replaces them")
-        self.records.end_step(self.step, self._step_charges, list(self._charged))
+        self.records.end_step(self.step, self._step_charges, self._charged)
 
     def _ever_charged(self) -> set[PrivacyEvent]:
         """Every event the ledger holds, wrappers and what they wrap (cached by the ledger's number

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Iterable, Iterator
 
@@ -180,6 +181,17 @@ def nodes(event: PrivacyEvent) -> Iterator[PrivacyEvent]:
     yield event
     for child in event.children():
         yield from nodes(child)
+
+
+def held(event: PrivacyEvent, count: int = 1) -> Counter:
+    """How many times ``count`` charges of ``event`` hold each event of its tree: itself, its
+    wrappers' contents, a composition's parts as often as they occur in it, a self-composition's
+    part its count times over (what a charge pays for, counted)."""
+    out = Counter({event: count})
+    inner = event.count * count if isinstance(event, SelfComposed) else count
+    for child in event.children():
+        out += held(child, inner)
+    return out
 
 
 def leaves(event: PrivacyEvent, count: int = 1, *,
