@@ -86,7 +86,12 @@ def read_regular(path: str | Path, what: str = "file", *, limit: int | None = No
     with os.fdopen(fd, "rb") as f:
         if limit is not None and st.st_size > limit:
             raise _too_large(path, what, limit)
-        data = f.read() if limit is None else f.read(limit + 1)
+        if limit is None:
+            data = f.read()
+        else:  # what fstat saw (a buffer of the limit would be a gigabyte for every read), then any growth
+            data = f.read(min(st.st_size, limit) + 1)
+            while len(data) <= limit and (more := f.read(min(1 << 24, limit + 1 - len(data)))):
+                data += more
     if limit is not None and len(data) > limit:  # it grew since fstat
         raise _too_large(path, what, limit)
     return data

@@ -28,6 +28,7 @@ from typing import Any
 
 from .errors import UserError
 from .files import RUN_LOG_LIMIT, no_follow, read_regular
+from .privacy.events import PrivacyEvent
 
 NAME = "ledger.jsonl"
 GENESIS = "0" * 64
@@ -48,17 +49,36 @@ def _digest(prev: str, step: int, entries: list[dict[str, Any]], state: str | No
     return _line_hash({"prev": prev, "step": step, "entries": entries} | ({} if state is None else {"state": state}))
 
 
-def _entries(rec: Any, before: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """The ledger a well-formed line records, given the line before's; None for a malformed one."""
-    if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-        return None
-    fields = set(rec) - {"state"}
-    if fields == FULL and isinstance(rec["entries"], list):
-        return rec["entries"]
-    keep = rec.get("keep")
-    if fields == CHANGED and isinstance(rec["tail"], list) and type(keep) is int and 0 <= keep <= len(before):
-        return before[:keep] + rec["tail"]
-    return None
+ENTRY = {"event", "count", "partition", "first_step", "last_step"}
+
+
+def _well_formed(e: Any) -> bool:
+    """Whether ``e`` is a ledger entry: at least one charge of an event this dpregistry reads."""
+    if not (isinstance(e, dict) and set(e) == ENTRY and type(e["count"]) is int and e["count"] >= 1
+            and (e["partition"] is None or isinstance(e["partition"], str)) and type(e["first_step"]) is int
+            and type(e["last_step"]) is int and 0 <= e["first_step"] <= e["last_step"]):
+        return False
+    try:
+        PrivacyEvent.from_dict(e["event"])
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return False
+    return True
+
+
+class _Line(dict):
+    """A verified line. Its whole ledger, ``entries``, is made when it is read: each line keeps
+    every entry of the line before but perhaps the last (which may have grown), so the lines share
+    one list, and a file's lines hold memory in proportion to the file, not to lines × entries."""
+
+    def __init__(self, fields: dict[str, Any], shared: list[dict[str, Any]]):
+        super().__init__(fields)
+        self._shared, self._n = shared, len(shared)
+        self._last = shared[-1] if shared else None
+
+    def __missing__(self, key: str) -> list[dict[str, Any]]:
+        if key != "entries":
+            raise KeyError(key)
+        return self._shared[:self._n - 1] + [self._last] if self._n else []
 
 
 def extends(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:
@@ -83,14 +103,16 @@ class LedgerFile:
 
     def __init__(self, folder: Path):
         self.path = Path(folder) / NAME
-        self._lines: list[dict[str, Any]] | None = None
+        self._lines: list[_Line] | None = None
+        self._shared: list[dict[str, Any]] = []  # entry i as the newest line has it (see _Line)
 
     def lines(self) -> list[dict[str, Any]]:
         """The verified lines; a broken chain or a malformed line is refused in one line. A last
         line torn by a kill mid-append (no newline) is ignored: its checkpoint was written first."""
         if self._lines is not None:
             return self._lines
-        out: list[dict[str, Any]] = []
+        out: list[_Line] = []
+        self._shared = []
         if self.path.exists():
             raw = read_regular(self.path, "ledger file", limit=RUN_LOG_LIMIT)
             complete = raw.split(b"\n")[:-1]  # text after the last newline is a torn append
@@ -98,8 +120,8 @@ class LedgerFile:
             for i, line in enumerate(complete, 1):
                 try:
                     rec = json.loads(line)
-                    entries = _entries(rec, out[-1]["entries"] if out else [])
-                    ok = entries is not None and rec["prev"] == prev and rec["hash"] == _line_hash(rec)
+                    ok = (isinstance(rec, dict) and set(rec) - {"state"} in (FULL, CHANGED)
+                          and type(rec["step"]) is int and rec["prev"] == prev and rec["hash"] == _line_hash(rec))
                 except (ValueError, RecursionError):  # (RecursionError: JSON nested too deep)
                     ok = False
                 if not ok:
@@ -107,10 +129,34 @@ class LedgerFile:
                                     f"damaged); refusing to resume from a ledger that may under-report", file=str(self.path))
                 if out and rec["step"] <= out[-1]["step"]:
                     raise UserError(f"line {i} goes back to step {rec['step']}", file=str(self.path))
+                if not self._accept(rec, out):
+                    raise UserError(f"line {i} does not continue the ledger of the line before it (an entry lowered, "
+                                    f"dropped or malformed); refusing a ledger that may under-report", file=str(self.path))
                 prev = rec["hash"]
-                out.append({**rec, "entries": entries})
         self._lines = out
         return out
+
+    def _accept(self, rec: dict[str, Any], lines: list[_Line]) -> bool:
+        """Append ``rec`` (a chained line) to ``lines`` if its ledger extends the line before's:
+        the entries it keeps are all of that line's, or all but a last one it grows, and the ones
+        it adds are well-formed. Whole-ledger lines of earlier versions are checked the same way."""
+        n, last = (lines[-1]._n, [lines[-1]._last]) if lines else (0, [])
+        full = "entries" in rec
+        keep, added = (max(n - 1, 0), rec["entries"]) if full else (rec["keep"], rec["tail"])
+        if not (isinstance(added, list) and type(keep) is int and keep in (n, n - 1) and keep >= 0):
+            return False
+        if full:
+            added = added[keep:]
+        if not all(_well_formed(e) for e in added):
+            return False
+        if full and not extends(lines[-1]["entries"] if lines else [], rec["entries"]):
+            return False
+        if not full and keep < n and not (added and extends(last, added[:1])):
+            return False
+        del self._shared[keep:]
+        self._shared.extend(added)
+        lines.append(_Line({k: v for k, v in rec.items() if k not in ("entries", "tail")}, self._shared))
+        return True
 
     def line(self, step: int) -> dict[str, Any] | None:
         """The line recorded at ``step`` (steps only increase, so there is at most one), or None."""
@@ -185,12 +231,14 @@ class LedgerFile:
         if state is not None:
             rec["state"] = state
         rec["hash"] = _line_hash(rec)
+        if not all(_well_formed(e) for e in rec["tail"]):
+            raise RuntimeError(f"step {step}: a ledger entry is malformed: {rec['tail']!r}")
         self._drop_torn_tail()
         with open(self.path, "a", opener=no_follow) as f:
             f.write(json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        lines.append({**rec, "entries": entries})
+        self._accept(rec, lines)
 
     def _drop_torn_tail(self) -> None:
         """Cut a line torn by a kill mid-append, so the next line starts on a line of its own."""

@@ -112,16 +112,68 @@ def test_a_forged_checkpoint_that_lowers_the_count_is_refused(tmp_path):
 def test_a_forged_checkpoint_and_ledger_file_are_caught_by_the_metrics(tmp_path):
     out = finished(tmp_path)
     forge(newest(out), lambda m: m["ledger"][0].update(count=6))
-    # the forger rewrites the whole chained file consistently with the forged checkpoint
+    # the forger rewrites the whole chained file consistently with the forged checkpoint (no line
+    # may lower a count of the line before: those are refused as they are read)
     prev, text = GENESIS, ""
     for r in LedgerFile(out).lines():
-        entries = [dict(r["entries"][0], count=6)] if r["step"] == 12 else r["entries"]
+        entries = [dict(e, count=min(e["count"], 6)) for e in r["entries"]]
         h = _digest(prev, r["step"], entries)
         text += json.dumps({"step": r["step"], "entries": entries, "prev": prev, "hash": h}) + "\n"
         prev = h
     (out / "ledger.jsonl").write_text(text)
     with pytest.raises(UserError, match="metrics.jsonl logged ε"):
         resume_run(out)
+
+
+@pytest.mark.parametrize("edit, entry", [
+    ("a count lowered", lambda e: dict(e, count=1)),
+    ("an entry that is no entry", lambda e: 7),
+    ("an event missing a field", lambda e: dict(e, event={"type": "gaussian", "std": 1.0})),
+    ("a negative count", lambda e: dict(e, count=-20)),
+])
+def test_a_chained_line_that_does_not_continue_the_ledger_is_refused(tmp_path, edit, entry):
+    """Review 21: a line appended with a correct chain but a lower or negative count made
+    `dpreg privacy report` print ε 4.944 instead of 11.08, and malformed entries crashed it with a
+    traceback. Each line must keep the line before's entries and only grow them."""
+    from dpregistry.ledger_file import _line_hash
+
+    out = finished(tmp_path)
+    last = json.loads((out / "ledger.jsonl").read_text().splitlines()[-1])
+    tail = [entry(e) for e in LedgerFile(out).last["entries"]]
+    rec = {"step": 13, "keep": 0, "tail": tail, "prev": last["hash"]}
+    rec["hash"] = _line_hash(rec)
+    with open(out / "ledger.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    with pytest.raises(UserError, match="line 5 does not continue the ledger of the line before it"):
+        LedgerFile(out).lines()
+    res = dpreg("privacy", "report", out)
+    assert res.returncode == 2 and "line 5 does not continue" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_long_ledger_file_is_read_in_memory_of_its_size(tmp_path):
+    """Review 21: lines that keep the line before's entries stood each for the whole ledger, so a
+    0.86 MB file of 4,000 lines keeping 40,000 entries took 1.26 GB to read. The lines now share
+    one list of entries."""
+    import tracemalloc
+
+    from dpregistry.ledger_file import _line_hash
+
+    entry = {"event": {"type": "gaussian", "std": 1.0, "sensitivity": 1.0}, "count": 1, "partition": None}
+    first = {"step": 1, "keep": 0, "tail": [dict(entry, first_step=i, last_step=i) for i in range(20_000)],
+             "prev": GENESIS}
+    first["hash"] = _line_hash(first)
+    lines, prev = [first], first["hash"]
+    for step in range(2, 2_002):
+        rec = {"step": step, "keep": 20_000, "tail": [], "prev": prev}
+        rec["hash"] = prev = _line_hash(rec)
+        lines.append(rec)
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    tracemalloc.start()
+    read = LedgerFile(tmp_path).lines()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(read) == 2_001 and len(read[-1]["entries"]) == 20_000 and read[1000]["entries"][-1]["last_step"] == 19_999
+    assert peak < 100 * 2**20, peak  # 2,001 whole ledgers of 20,000 entries would be 320 MB of references alone
 
 
 def test_a_checkpoint_that_charges_steps_it_has_not_taken_is_refused(tmp_path):
