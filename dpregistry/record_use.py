@@ -155,11 +155,14 @@ class RecordUse:
     # ------------------------------------------------------------------ checkpoint
 
     def state(self, tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, Any]:
-        """Metadata of the state, its tensors added to ``tensors`` (the mask packed 8 records a byte)."""
+        """Metadata of the state, its tensors added to ``tensors`` (the mask packed 8 records a byte,
+        the partitions' numbers in one byte a record while there are fewer than 128)."""
         if self._cover_step is not None:
             tensors[f"{prefix}/since"] = torch.from_numpy(np.packbits(self._mask().numpy()))
-        if self._owner is not None:
-            tensors[f"{prefix}/owner"] = self._owner.clone()
+        if self._owner is not None:  # in the narrowest integer that numbers the partitions (and -1)
+            parts = len(self._partitions)
+            tensors[f"{prefix}/owner"] = self._owner.to(
+                torch.int8 if parts < 2 ** 7 else torch.int16 if parts < 2 ** 15 else torch.int32)
         return {"n": self.n, "cover_step": self._cover_step, "cover_amplified": self._cover_amplified,
                 "cover_partition": self._cover_partition, "partitions": list(self._partitions),
                 "cover_held": [[e.to_dict(), n] for e, n in (self._cover_held or {}).items()]}

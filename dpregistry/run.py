@@ -494,23 +494,28 @@ class Run:
         drawn_from = len(self.users.members) if self.els else self.objective.n_train  # ELS: the kept ones
         # a batch passed again unchanged (a KL algorithm's full batch, 10⁷ records) is checked once;
         # "unchanged" by its values (a write through .data or a NumPy view keeps the version counter)
+        checked = self._checked_batch
+        changed = checked is None or checked.shape != indices.shape or not torch.equal(checked, indices)
+        if self.comm.world_size > 1:
+            # each rank takes its share of one batch: a sampler drawing from the process's own
+            # generator gives each rank another batch, and records are summed twice or never
+            # (compared before anything a rank could refuse alone, which would leave the others waiting)
+            if changed:
+                self._batch_digest = hashlib.sha256(repr(tuple(indices.shape)).encode()
+                                                    + indices.cpu().numpy().tobytes()).hexdigest()
+            if self._unlike_rank_0(self._batch_digest) is not None:
+                raise RuntimeError(f"sampler {self.sampler.name!r}: the ranks drew different batches at step "
+                                   f"{self.step}; a batch is drawn once for all ranks, from the run's generators "
+                                   f"(ctx.rng), not the process's")
         if indices.dim() != 1:
             raise RuntimeError(f"sampler {self.sampler.name!r}: a batch is a 1-D tensor of record indices, got "
                                f"shape {tuple(indices.shape)}")
-        checked = self._checked_batch
-        if checked is None or checked.shape != indices.shape or not torch.equal(checked, indices):
+        if changed:
             if len(indices) and not _each_once(indices, drawn_from):
                 raise RuntimeError(f"sampler {self.sampler.name!r}: a batch holds a record twice or one outside "
                                    f"the {drawn_from} records; each record is in a batch at most once")
             self._checked_batch = indices.clone()
-            self._batch_digest = hashlib.sha256(self._checked_batch.cpu().numpy().tobytes()).hexdigest()
         self.records.read(self._checked_batch, drawn_from)
-        if self._unlike_rank_0(self._batch_digest) is not None:
-            # each rank takes its share of one batch: a sampler drawing from the process's own
-            # generator gives each rank another batch, and records are summed twice or never
-            raise RuntimeError(f"sampler {self.sampler.name!r}: the ranks drew different batches at step {self.step}; "
-                               f"a batch is drawn once for all ranks, from the run's generators (ctx.rng), not "
-                               f"the process's")
         if self.els:  # the sampler drew among the kept records
             indices = self.users.members[indices]
         shard = self.comm.shard(indices)
