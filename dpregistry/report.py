@@ -17,7 +17,7 @@ from .privacy.accountant import Accountant, Budget, Ledger, make_accountant
 from .privacy.events import PrivacyEvent, any_nonprivate
 from .registry import trust_statement
 from .rng import noise_statement
-from .users import els_group, example_budget, unit_statement, unit_terms, user_epsilon, user_mechanism
+from .users import els_group, example_budget, group_epsilon, unit_statement, unit_terms, user_mechanism
 
 PLOT_NAME = "privacy_epsilon.png"
 
@@ -101,7 +101,7 @@ NO_GUARANTEE = "\nthis ε is not a privacy guarantee (reproducible noise, or a n
 
 def recomputed(recipe: dict[str, Any], entries: list[dict[str, Any]]):
     """(accountant, what it has spent, spent(accountant) in the recipe's unit) for a ledger: ε at
-    the recipe's δ (ELS: group privacy of the example-level ledger, users.user_epsilon) or ρ."""
+    the recipe's δ (ELS: group privacy of the example-level ledger, users.group_epsilon) or ρ."""
     privacy = recipe["privacy"]
     k = els_group(recipe)
     target = Budget(privacy.get("epsilon"), privacy.get("delta"), privacy.get("rho"), privacy["relation"])
@@ -112,7 +112,7 @@ def recomputed(recipe: dict[str, Any], entries: list[dict[str, Any]]):
     def in_unit(a: Accountant) -> float:  # ε at the recipe's δ in its unit, or ρ (k²ρ₀ for groups of k)
         if a.budget.delta is None:
             return a.rho() * k * k
-        return user_epsilon(a.epsilon, k, target.delta, a.budget.delta)
+        return group_epsilon(a, k, target.delta, a.budget.delta)
 
     if user_mechanism(recipe) == "els":  # the example-level spending that group privacy reads (Run.spent)
         spent["example_level"] = {key: spent.get(key) for key in ("epsilon", "delta", "rho")}

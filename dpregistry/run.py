@@ -31,7 +31,7 @@ from .record_use import AMPLIFIED, RecordUse
 from .rng import RunRNG
 from .spaces import Contribution
 from .stages import Charge, ClippedSum, Objective, Release, Stages
-from .users import UserGroups, UserIds, bound_contributions, example_budget, user_epsilon
+from .users import UserGroups, UserIds, bound_contributions, example_budget, group_epsilon
 
 #: stage kind -> its recipe section
 SECTION_OF = {kind: section for section, kind in SECTIONS.items()} | {"algorithm": "algorithm"}
@@ -554,11 +554,10 @@ class Run:
 
     def epsilon(self, extra: list[Charge] | tuple = ()) -> float | None:
         """ε spent (with ``extra`` charges), at the recipe's δ and in its unit (ELS: group privacy
-        of the example-level accountant, :func:`dpregistry.users.user_epsilon`)."""
+        of the example-level accountant, :func:`dpregistry.users.group_epsilon`)."""
         if self.budget.delta is None:
             return None
-        return user_epsilon(lambda d: self.accountant.epsilon(d, extra=extra), self.group, self.target.delta,
-                            self.budget.delta)
+        return group_epsilon(self.accountant, self.group, self.target.delta, self.budget.delta, extra)
 
     @property
     def guarantee(self) -> bool:

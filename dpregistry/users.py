@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -176,6 +177,19 @@ def user_epsilon(epsilon_at: Callable[[float], float], k: int, delta: float, del
     return k * best
 
 
+def group_epsilon(accountant, k: int, delta: float, delta0: float | None = None, extra=()) -> float:
+    """The user-level ε at δ of an example-level accountant's ledger (plus ``extra`` charges), by
+    group privacy of size k: :func:`user_epsilon`, and for a zCDP accountant the smaller of that and
+    the ε of k²ρ₀ (group privacy of ρ-zCDP is k²ρ-zCDP, Bun & Steinke 2016, Prop. 1.9; ρ is a sum
+    of counts, so k² times every count is k²ρ₀)."""
+    eps = user_epsilon(lambda d: accountant.epsilon(d, extra=extra), k, delta, delta0)
+    if k > 1 and accountant.notion == "zcdp":
+        groups = accountant.ledger.grouped(list(extra))
+        eps = min(eps, accountant._epsilon({p: Counter({e: n * k * k for e, n in c.items()})
+                                            for p, c in groups.items()}, delta))
+    return eps
+
+
 def user_delta(example_epsilon: float, example_delta: float, k: int) -> float:
     """The user-level δ of an example-level (ε₀, δ₀), for groups of k: k·e^{(k−1)ε₀}·δ₀ (inf past
     the floats)."""
@@ -202,8 +216,10 @@ def unit_statement(summary: dict) -> str:
         if summary.get("relation") == "replace_one":  # a user's number of kept examples is public
             whom += " by as many kept examples of another"
         ex = summary.get("example_level") or {}
+        of = (f"ρ = {ex['rho']:.4g} (zCDP: k²ρ for a user)" if isinstance(ex.get("rho"), (int, float))
+              else f"ε = {ex.get('epsilon', float('nan')):.4g}")
         how = (f"example-level sampling with at most {k} examples per user; group privacy of size {k} of the "
-               f"example-level ε = {ex.get('epsilon', float('nan')):.4g}")
+               f"example-level {of}")
     else:
         how = f"user-level sampling, each user's mean contribution over at most {k} examples clipped as one"
     return f"one user ({users} users): the guarantee {holds} for {change} {whom}; {how}"

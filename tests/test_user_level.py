@@ -287,6 +287,24 @@ def test_els_without_a_target_is_refused():
     assert run.budget.rho == 2.0 / 16 and run.train()["rho"] <= 2.0
 
 
+def test_els_under_zcdp_reads_the_users_epsilon_from_k_squared_rho():
+    """Group privacy of ρ-zCDP is k²ρ-zCDP. The user's ε was read only through the (ε₀, δ₀) group
+    conversion, 14.23 where k²ρ₀ = 2 alone gives 11.60 at δ = 1e-5 (review 22), and the statement
+    named an example-level ε that did not multiply to it."""
+    from dpregistry.users import unit_statement
+
+    recipe = {"algorithm": "dp_sgd", "train": {"steps": 10, "progress": False}, "accountant": "zcdp",
+              "sampler": {"name": "poisson", "batch_size": 60}, "privatizer": {"noise_multiplier": "auto"},
+              "privacy": {"rho": 2.0, "delta": 1e-5, "unit": "user", "max_examples_per_user": 4}}
+    run = _own_run(recipe, torch.arange(240) // 12)
+    s = run.train()
+    rho = s["rho"]
+    assert rho == pytest.approx(16 * s["example_level"]["rho"]) and rho <= 2.0
+    assert s["epsilon"] <= rho + 2 * math.sqrt(rho * math.log(1e5)) * (1 + 1e-12)
+    assert s["epsilon"] < user_epsilon(run.accountant.epsilon, 4, 1e-5, run.budget.delta)  # the (ε, δ) route
+    assert f"group privacy of size 4 of the example-level ρ = {s['example_level']['rho']:.4g}" in unit_statement(s)
+
+
 def _own_run(recipe, users, n=240, dim=4, seed=0):
     torch.manual_seed(seed)
     x, y = torch.randn(n, dim), torch.randint(0, 2, (n,))
