@@ -102,7 +102,7 @@ def checked_guarantee(run_dir: Path, summary: dict[str, Any], recipe: dict[str, 
     ledger.jsonl recorded at the model's step, and its last line; ε, δ and ρ are recomputed from it;
     the noise mode comes from the hash-checked recipe."""
     from .ledger_file import LedgerFile
-    from .report import recomputed
+    from .report import recomputed, uncomputable
     from .users import unit_terms
 
     step, entries = meta["step"], meta.get("ledger", [])
@@ -112,7 +112,10 @@ def checked_guarantee(run_dir: Path, summary: dict[str, Any], recipe: dict[str, 
             else f"records another ledger at step {step}"
         raise UserError(f"ledger.jsonl {where}: the model's ledger (step {step}) is not the last one recorded, so its "
                         f"card could state less than was spent", file=str(run_dir))
-    acc, spent, _ = recomputed(recipe, entries)
+    try:
+        acc, spent, _ = recomputed(recipe, entries)
+    except ArithmeticError:
+        raise uncomputable(run_dir) from None
     privacy = recipe["privacy"]
     noise = privacy.get("noise")
     checked = {"epsilon": spent.get("epsilon"), "delta": privacy.get("delta"), "rho": spent.get("rho"),

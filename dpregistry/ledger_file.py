@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -50,17 +51,38 @@ def _digest(prev: str, step: int, entries: list[dict[str, Any]], state: str | No
 
 
 ENTRY = {"event", "count", "partition", "first_step", "last_step"}
+LARGEST = 2 ** 53  # no run takes more steps or charges; beyond, an accountant's floats would overflow
+DEEPEST = 32       # no event nests deeper (a wrapper around a composition around a mechanism)
+
+
+def _plain(x: Any, depth: int = 0) -> bool:
+    """JSON nested at most DEEPEST deep, its floats finite and its integers at most LARGEST."""
+    if isinstance(x, dict):
+        return depth < DEEPEST and all(_plain(v, depth + 1) for v in x.values())
+    if isinstance(x, list):
+        return depth < DEEPEST and all(_plain(v, depth + 1) for v in x)
+    if isinstance(x, float):
+        return math.isfinite(x)
+    return not isinstance(x, int) or isinstance(x, bool) or abs(x) <= LARGEST
 
 
 def _well_formed(e: Any) -> bool:
     """Whether ``e`` is a ledger entry: at least one charge of an event this dpregistry reads."""
-    if not (isinstance(e, dict) and set(e) == ENTRY and type(e["count"]) is int and e["count"] >= 1
+    if not (isinstance(e, dict) and set(e) == ENTRY and _plain(e) and type(e["count"]) is int and e["count"] >= 1
             and (e["partition"] is None or isinstance(e["partition"], str)) and type(e["first_step"]) is int
             and type(e["last_step"]) is int and 0 <= e["first_step"] <= e["last_step"]):
         return False
     try:
         PrivacyEvent.from_dict(e["event"])
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+    except KeyError:  # perhaps a plugin's event type (a tree's concentration failure): load the plugins
+        from .registry import get_registry
+
+        get_registry()
+        try:
+            PrivacyEvent.from_dict(e["event"])
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            return False
+    except (ValueError, TypeError, AttributeError, RecursionError):
         return False
     return True
 

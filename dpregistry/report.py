@@ -99,6 +99,12 @@ def spent_curve(acc: Accountant, ledger: Ledger, points: int = 25,
 NO_GUARANTEE = "\nthis ε is not a privacy guarantee (reproducible noise, or a non-private release)"
 
 
+def uncomputable(run_dir: Path) -> UserError:
+    """The refusal of a ledger whose events overflow its accountant's floats (no run writes one)."""
+    return UserError("the ledger holds an event its accountant cannot compute (a number past the floats); no run "
+                     "wrote it", file=str(run_dir))
+
+
 def recomputed(recipe: dict[str, Any], entries: list[dict[str, Any]]):
     """(accountant, what it has spent, spent(accountant) in the recipe's unit) for a ledger: ε at
     the recipe's δ (ELS: group privacy of the example-level ledger, users.group_epsilon) or ρ."""
@@ -187,8 +193,11 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
     summary_path = run_dir / "summary.json"
     summary = _read_json(summary_path) if summary_path.exists() else {}
     step, entries, ledger_note = newest_ledger(run_dir, meta, summary)
-    acc, spent, in_unit = recomputed(recipe, entries)
-    curve = spent_curve(acc, acc.ledger, points, in_unit)
+    try:
+        acc, spent, in_unit = recomputed(recipe, entries)
+        curve = spent_curve(acc, acc.ledger, points, in_unit)
+    except ArithmeticError:
+        raise uncomputable(run_dir) from None
     label = "ρ spent" if acc.budget.delta is None else "ε spent"
     target = spent.get("target_rho") if acc.budget.delta is None else privacy.get("epsilon")
     guarantee = privacy.get("noise") != "reproducible" and not any_nonprivate(acc.ledger.events)

@@ -25,7 +25,7 @@ from .distributed import LocalComm
 from .errors import BudgetExhausted, UserError
 from .persample import StateWatch, probe_indices
 from .privacy.accountant import Budget, LedgerView
-from .privacy.events import EventError, PrivacyEvent, any_nonprivate, nodes
+from .privacy.events import EventError, PrivacyEvent, any_nonprivate, held, nodes
 from .recipe import SECTIONS, Recipe
 from .record_use import AMPLIFIED, RecordUse
 from .rng import RunRNG
@@ -112,7 +112,7 @@ class Run:
                 raise recipe.error("privacy.unit: user runs on one process for now", "privacy", "unit")
             if self.els:
                 self.group = p.max_examples_per_user
-                if self.target.epsilon is None and self.target.rho is None:  # ρ₀ = ρ/k² or δ₀ from ε (example_budget)
+                if self.group > 1 and self.target.epsilon is None and self.target.rho is None:  # (example_budget)
                     raise recipe.error(
                         f"privacy.unit: user with an example-level sampler reads the example-level ledger through "
                         f"group privacy of size {self.group}, which needs a user-level target, privacy.epsilon (or "
@@ -432,9 +432,14 @@ class Run:
         if not all(isinstance(c, Charge) for c in charges):
             raise TypeError(f"sampler {self.sampler.name!r}: account() returns Charges, got {charges!r}")
         # A second release from the same secret batch, amplified on its own, would under-count: the
-        # releases of one batch are one sampled mechanism (Release.events holds them all). Decided
-        # by the charges themselves, not only by the sampler's word (``amplifies``).
-        if self.sampler.amplifies or any(isinstance(e, AMPLIFIED) for c in charges for e in nodes(c.event)):
+        # releases of one batch are one sampled mechanism (Release.events holds them all), wrapped
+        # once. Decided by the charges themselves, not only by the sampler's word (``amplifies``).
+        amplified = sum(n for c in charges for e, n in held(c.event, c.count).items() if isinstance(e, AMPLIFIED))
+        if amplified > 1:
+            raise RuntimeError(f"sampler {self.sampler.name!r}: step {self.step}'s charges amplify one batch {amplified} "
+                               f"times, each as if its batch were drawn alone; the releases of one sampled batch are "
+                               f"one sampled mechanism: wrap their composition once")
+        if self.sampler.amplifies or amplified:
             if self._sampled_charge_step == self.step:
                 raise RuntimeError(f"algorithm {self.algorithm.name!r} charged step {self.step} twice on a "
                                    f"{self.sampler.name!r} batch; charge every release of a sampled batch in one "

@@ -125,22 +125,33 @@ def test_a_forged_checkpoint_and_ledger_file_are_caught_by_the_metrics(tmp_path)
         resume_run(out)
 
 
-@pytest.mark.parametrize("edit, entry", [
-    ("a count lowered", lambda e: dict(e, count=1)),
-    ("an entry that is no entry", lambda e: 7),
-    ("an event missing a field", lambda e: dict(e, event={"type": "gaussian", "std": 1.0})),
-    ("a negative count", lambda e: dict(e, count=-20)),
-])
-def test_a_chained_line_that_does_not_continue_the_ledger_is_refused(tmp_path, edit, entry):
+def _nested(event: dict, depth: int) -> dict:
+    for _ in range(depth):
+        event = {"type": "composed", "events": [event]}
+    return event
+
+
+@pytest.mark.parametrize("added, entry", [  # the last entry replaced, or a new one added after it
+    (False, lambda e: dict(e, count=1)),
+    (False, lambda e: dict(e, count=-20)),
+    (False, lambda e: dict(e, count=10 ** 400)),
+    (True, lambda e: 7),
+    (True, lambda e: dict(e, event={"type": "gaussian", "std": 1.0})),
+    (True, lambda e: dict(e, event=_nested(e["event"], 100))),
+    (True, lambda e: dict(e, event={"type": "self_composed", "event": e["event"], "count": 10 ** 400})),
+], ids=["a count lowered", "a negative count", "a count past the floats", "an entry that is no entry",
+        "an event missing a field", "an event nested 100 deep", "an event's integer past the floats"])
+def test_a_chained_line_that_does_not_continue_the_ledger_is_refused(tmp_path, added, entry):
     """Review 21: a line appended with a correct chain but a lower or negative count made
     `dpreg privacy report` print ε 4.944 instead of 11.08, and malformed entries crashed it with a
-    traceback. Each line must keep the line before's entries and only grow them."""
+    traceback; review 23: so did integers past the floats and events nested 900 deep. Each line
+    must keep the line before's entries and only grow them, with plain numbers and events."""
     from dpregistry.ledger_file import _line_hash
 
     out = finished(tmp_path)
     last = json.loads((out / "ledger.jsonl").read_text().splitlines()[-1])
-    tail = [entry(e) for e in LedgerFile(out).last["entries"]]
-    rec = {"step": 13, "keep": 0, "tail": tail, "prev": last["hash"]}
+    entries = LedgerFile(out).last["entries"]
+    rec = {"step": 13, "keep": len(entries) if added else 0, "tail": [entry(e) for e in entries], "prev": last["hash"]}
     rec["hash"] = _line_hash(rec)
     with open(out / "ledger.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
@@ -148,6 +159,25 @@ def test_a_chained_line_that_does_not_continue_the_ledger_is_refused(tmp_path, e
         LedgerFile(out).lines()
     res = dpreg("privacy", "report", out)
     assert res.returncode == 2 and "line 5 does not continue" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_an_event_past_the_floats_is_a_one_line_refusal_of_the_reports(tmp_path):
+    """A well-formed entry whose event no accountant can compute (an exponential mechanism of
+    ε = 1e308, review 23) crashed `dpreg privacy report` and `dpreg report` with an OverflowError."""
+    from dpregistry.ledger_file import _line_hash
+
+    out = finished(tmp_path)
+    last = json.loads((out / "ledger.jsonl").read_text().splitlines()[-1])
+    event = {"type": "exponential", "epsilon": 1e308, "bounded_range": True}
+    rec = {"step": 13, "keep": 1, "prev": last["hash"],
+           "tail": [{"event": event, "count": 1, "partition": None, "first_step": 12, "last_step": 12}]}
+    rec["hash"] = _line_hash(rec)
+    with open(out / "ledger.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    for command in (["privacy", "report"], ["report"]):
+        res = dpreg(*command, out)
+        assert res.returncode == 2 and "cannot compute (a number past the floats)" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
 
 
 def test_a_long_ledger_file_is_read_in_memory_of_its_size(tmp_path):

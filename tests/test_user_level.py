@@ -390,6 +390,19 @@ def test_a_uls_batch_with_a_record_outside_the_selection_is_refused():
         run.train()
 
 
+def test_els_with_one_example_per_user_needs_no_target():
+    """Group privacy of size 1 changes nothing, so ELS with k = 1 runs at a fixed noise multiplier
+    like an example-level run (review 23: it was refused for want of an ε target)."""
+    recipe = {"algorithm": "dp_sgd", "train": {"steps": 3, "progress": False}, "accountant": "rdp",
+              "sampler": {"name": "poisson", "batch_size": 10}, "privatizer": {"noise_multiplier": 2.0},
+              "privacy": {"delta": 1e-3, "unit": "user", "max_examples_per_user": 1}}
+    s = _own_run(recipe, torch.arange(240) // 12).train()
+    assert s["user_mechanism"] == "els" and s["epsilon"] == s["example_level"]["epsilon"] > 0
+    with pytest.raises(UserError, match="needs a user-level target"):
+        _own_run(dict(recipe, privacy={"delta": 1e-3, "unit": "user", "max_examples_per_user": 2}),
+                 torch.arange(240) // 12)
+
+
 def test_an_els_target_beyond_the_floats_is_one_line_and_refusals_name_the_per_example_budget(tmp_path):
     """Group privacy of size k needs δ₀ = δ/(k·e^{(k−1)ε/k}): at ε = 1000 and k = 5 its float
     overflowed into a traceback. An over-budget ELS plan quoted the example-level numbers as if
