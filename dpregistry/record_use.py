@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .privacy.events import PoissonSampled, PrivacyEvent, SampledWithoutReplacement, held, nodes
+from .privacy.events import PoissonSampled, PrivacyEvent, SampledWithoutReplacement, held
 from .stages import Charge
 
 AMPLIFIED = (PoissonSampled, SampledWithoutReplacement)  # events amplified by a secret batch
@@ -75,7 +75,7 @@ class RecordUse:
                                f"step's batch does")
         if covering:
             self._cover_step, self._cover, self._since, self._cover_held = step, batches, None, holds
-            self._cover_amplified = any(isinstance(e, AMPLIFIED) for c in charges for e in nodes(c.event))
+            self._cover_amplified = any(isinstance(e, AMPLIFIED) for e in holds)
             self._cover_partition = next(iter(named), None)
         if not batches or (covering and not named):
             return  # (the common step: nothing to look up)

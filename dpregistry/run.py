@@ -414,6 +414,7 @@ class Run:
         """What an ELS refusal's numbers are: the example-level budget the user-level one became."""
         if self.group == 1:
             return ""
+
         def said(b: Budget) -> str:
             return ", ".join(f"{name} = {v:g}" for name, v in zip("εδρ", (b.epsilon, b.delta, b.rho)) if v is not None)
 
