@@ -381,7 +381,9 @@ class TrainSection(_Strict):
     keep_checkpoints: int = Field(default=2, gt=0)
     micro_batch_size: int | None = Field(default=None, gt=0, description="physical batch (gradient accumulation)")
     device: str = "cpu"
-    max_nonfinite_steps: int = Field(default=10, ge=0, description="stop after this many steps with NaN/inf examples")
+    max_nonfinite_steps: int | None = Field(
+        default=None, ge=0, description="opt-in: stop after this many steps with NaN/inf examples (a count on the "
+                                        "private batch: when the run stops is then not covered by the guarantee)")
     sync_check_every: int = Field(default=100, ge=0, description="multi-process: compare parameter checksums every K steps")
     progress: bool = True
 

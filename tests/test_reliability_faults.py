@@ -323,6 +323,28 @@ def test_nonfinite_steps_are_counted_and_stop_the_run(tmp_path):
     assert meta["step"] == summary["step"] and meta["nonfinite_steps"] == 4
 
 
+def test_by_default_a_record_with_a_nan_loss_does_not_decide_when_the_run_stops():
+    """The run stopped after 10 steps with non-finite examples by default: a count of the private
+    batch, without noise. With one record's features NaN a full-batch run stopped after 11 of its
+    steps, and without it ran them all, so the step count, the model and the ε told the two
+    neighbouring data sets apart (review 24). The stop is opt-in now."""
+    import dpregistry
+
+    def run(nan: bool):
+        torch.manual_seed(0)
+        x, y = torch.randn(200, 5), torch.randn(200)
+        if nan:
+            x[7] = float("nan")
+        recipe = {"algorithm": "dp_sgd", "sampler": {"name": "full_batch"}, "privatizer": {"clip": 1.0},
+                  "update": {"lr": 1e-3}, "privacy": {"epsilon": 3.0, "delta": 1e-5}, "train": {"steps": 15}}
+        return dpregistry.train(recipe, model=torch.nn.Linear(5, 1), loss=lambda o, t: (o.squeeze(1) - t) ** 2,
+                                train_data=torch.utils.data.TensorDataset(x, y), verbose=False).summary
+
+    with_nan, without = run(True), run(False)
+    assert with_nan["step"] == without["step"] == 15 and with_nan["stopped"] is None
+    assert with_nan["epsilon"] == without["epsilon"]
+
+
 def test_the_cli_reports_a_nonfinite_stop_in_one_line(tmp_path, monkeypatch):
     from dpreg_baseline.objectives import TabularObjective
 

@@ -99,7 +99,7 @@ def kov_epsilon(noise_multiplier: float, steps: float, delta: float) -> float:
     def h(eps):
         return m * eps - 2.0 * math.sqrt(2.0 * steps * log_term(eps, delta))
 
-    lemma = _smallest_certified(lambda eps: h(eps) > 0)
+    lemma = _smallest_certified(lambda eps: h(eps) >= 0)  # the Lemma certifies σ at its bound
     exact = _smallest_certified(lambda eps: gaussian_composition_delta(m, steps, eps) <= delta)
     return max(lemma, exact)
 
