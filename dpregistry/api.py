@@ -432,7 +432,8 @@ def _train(run, verbose: bool, console=None) -> dict[str, Any]:
             rate = (r.step - state["s0"]) / max(time.time() - state["t0"], 1e-9)
             eps = state["eps"]
             caveat = "" if r.guarantee else " (no guarantee: " + (
-                "reproducible noise)" if not r.rng.guarantee else "a non-private release)")
+                "reproducible noise)" if not r.rng.guarantee else "a stop on a private count)"
+                if r.stopped_at_private_count else "a non-private release)")
             prog.update(task, completed=r.step, rate=f"{rate:6.1f} steps/s", loss=f"loss {state['loss']:.4g}",
                         eps="ε -" if eps is None else f"ε {eps:.3g}{caveat}")
 

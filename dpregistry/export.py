@@ -83,7 +83,8 @@ def guarantee(summary: dict[str, Any], recipe: dict[str, Any], ledger: list[dict
     stated = {k: summary.get(k) for k in STATED}
     stated["unit"] = stated["unit"] or "example"  # runs from before user-level DP
     stated["nonprivate"] = any_nonprivate(events)
-    stated["guarantee"] = bool(stated["guarantee"]) and not stated["nonprivate"]
+    stated["private_stop"] = bool(summary.get("private_stop"))
+    stated["guarantee"] = bool(stated["guarantee"]) and not stated["nonprivate"] and not stated["private_stop"]
     summary = {**summary, "guarantee": stated["guarantee"]}
     return {
         **stated, "notion": notion, "steps": summary["step"],
@@ -102,6 +103,7 @@ def checked_guarantee(run_dir: Path, summary: dict[str, Any], recipe: dict[str, 
     ledger.jsonl recorded at the model's step, and its last line; ε, δ and ρ are recomputed from it;
     the noise mode comes from the hash-checked recipe."""
     from .ledger_file import LedgerFile
+    from .recipe import stopped_at_private_count
     from .report import recomputed, uncomputable
     from .users import unit_terms
 
@@ -122,6 +124,8 @@ def checked_guarantee(run_dir: Path, summary: dict[str, Any], recipe: dict[str, 
                "target_epsilon": privacy.get("epsilon"), "target_rho": spent.get("target_rho", privacy.get("rho")),
                "accountant": acc.name, "noise_multiplier": meta.get("noise_multiplier"),
                "example_level": spent.get("example_level"), "noise": noise, "guarantee": noise != "reproducible",
+               "private_stop": stopped_at_private_count((recipe.get("train") or {}).get("max_nonfinite_steps"),
+                                                        meta.get("nonfinite_steps", 0)),
                **unit_terms(recipe)}
     return guarantee({**summary, **checked}, recipe, entries, notion)
 
@@ -424,6 +428,9 @@ def _privacy_section(p: dict[str, Any]) -> list[str]:
     if p.get("nonprivate"):
         lines += ["**NOT a privacy guarantee.** Some releases of this run were not private (a `none` privatizer, "
                   "or no noise): the ledger charges them as non-private, and its ε is infinite.", ""]
+    elif p.get("private_stop"):
+        lines += ["**NOT a privacy guarantee.** The run stopped on a count of the private batch without noise "
+                  "(`train.max_nonfinite_steps`, opt-in), so when it stopped depends on the training data.", ""]
     elif not p["guarantee"]:
         lines += [f"**NOT a privacy guarantee.** The noise is {p['noise_statement']}.", ""]
     if p["stopped"]:

@@ -190,6 +190,7 @@ def _summary(run: Run, metrics: dict[str, float], t0: float, *, written: bool = 
                                  "example_level") if k in spent},
         "noise": run.rng.noise_mode,
         "guarantee": run.guarantee,
+        **({"private_stop": True} if run.stopped_at_private_count else {}),  # (the opt-in non-finite limit)
         "third_party_stages": third_party(entry for entry, _ in run.recipe.stages.values()),
         "metrics": metrics,
         "wall_seconds": time.time() - t0,

@@ -373,6 +373,13 @@ class PrivacySection(_Strict):
         return self
 
 
+def stopped_at_private_count(limit: int | None, nonfinite_steps: int) -> bool:
+    """Whether a run stands stopped at its opt-in non-finite limit (``train.max_nonfinite_steps``):
+    when it stopped depends on a count of the private batch, without noise, so what it released
+    then is no guarantee. A resume past the limit continues the mechanism, whose output is covered."""
+    return limit is not None and nonfinite_steps > limit
+
+
 class TrainSection(_Strict):
     steps: int = Field(gt=0, le=MAX_STEPS, description="number of private steps (releases)")
     log_every: int = Field(default=10, gt=0)

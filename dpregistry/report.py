@@ -15,6 +15,7 @@ from .folder import no_linked_folders, read_metrics, released_after
 from .ledger_file import LedgerFile, extends
 from .privacy.accountant import Accountant, Budget, Ledger, make_accountant
 from .privacy.events import PrivacyEvent, any_nonprivate
+from .recipe import stopped_at_private_count
 from .registry import trust_statement
 from .rng import noise_statement
 from .users import els_group, example_budget, group_epsilon, unit_statement, unit_terms, user_mechanism
@@ -96,7 +97,8 @@ def spent_curve(acc: Accountant, ledger: Ledger, points: int = 25,
 
 
 #: what a plot of a reproducible run's ε says under its title
-NO_GUARANTEE = "\nthis ε is not a privacy guarantee (reproducible noise, or a non-private release)"
+NO_GUARANTEE = ("\nthis ε is not a privacy guarantee (reproducible noise, a non-private release, or a stop on a "
+                "count of the private batch)")
 
 
 def uncomputable(run_dir: Path) -> UserError:
@@ -200,7 +202,9 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
         raise uncomputable(run_dir) from None
     label = "ρ spent" if acc.budget.delta is None else "ε spent"
     target = spent.get("target_rho") if acc.budget.delta is None else privacy.get("epsilon")
-    guarantee = privacy.get("noise") != "reproducible" and not any_nonprivate(acc.ledger.events)
+    guarantee = (privacy.get("noise") != "reproducible" and not any_nonprivate(acc.ledger.events)
+                 and not stopped_at_private_count((recipe.get("train") or {}).get("max_nonfinite_steps"),
+                                                  meta.get("nonfinite_steps", 0)))
     plot_path = None
     if plot and curve:
         plot_path = run_dir / PLOT_NAME

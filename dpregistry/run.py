@@ -26,7 +26,7 @@ from .errors import BudgetExhausted, UserError
 from .persample import StateWatch, probe_indices
 from .privacy.accountant import Budget, LedgerView
 from .privacy.events import EventError, PrivacyEvent, any_nonprivate, held, nodes
-from .recipe import SECTIONS, Recipe
+from .recipe import SECTIONS, Recipe, stopped_at_private_count
 from .record_use import AMPLIFIED, RecordUse
 from .rng import RunRNG
 from .spaces import Contribution
@@ -567,9 +567,15 @@ class Run:
 
     @property
     def guarantee(self) -> bool:
-        """Whether the reported ε is a privacy guarantee: secret noise, and no release charged as
-        non-private (a ``none`` privatizer: ε is infinite)."""
-        return self.rng.guarantee and not any_nonprivate(self._ever_charged())
+        """Whether the reported ε is a privacy guarantee: secret noise, no release charged as
+        non-private (a ``none`` privatizer: ε is infinite), and no stop on a count of the private
+        batch (the opt-in ``train.max_nonfinite_steps``)."""
+        return (self.rng.guarantee and not any_nonprivate(self._ever_charged())
+                and not self.stopped_at_private_count)
+
+    @property
+    def stopped_at_private_count(self) -> bool:
+        return stopped_at_private_count(self.recipe.train.max_nonfinite_steps, self.nonfinite_steps)
 
     def planned_epsilon(self) -> float:
         """ε of the whole planned run (the ledger and the rest of the plan), in the recipe's unit."""

@@ -345,6 +345,29 @@ def test_by_default_a_record_with_a_nan_loss_does_not_decide_when_the_run_stops(
     assert with_nan["epsilon"] == without["epsilon"]
 
 
+def test_a_run_stopped_at_its_opt_in_nonfinite_limit_states_no_guarantee(tmp_path, monkeypatch):
+    """When such a run stopped depends on a count of the private batch, without noise: its summary,
+    its privacy report and its model card say that its ε is no guarantee, and why."""
+    from dpreg_baseline.objectives import TabularObjective
+
+    from dpregistry.report import privacy_report
+
+    real = TabularObjective.batch_losses
+    monkeypatch.setattr(TabularObjective, "batch_losses", lambda self, idx: real(self, idx) * float("nan"))
+    out = tmp_path / "out"
+    secure = dict(RECIPE, privacy={"epsilon": 50.0, "delta": 1e-3},
+                  train=dict(RECIPE["train"], max_nonfinite_steps=1))
+    summary = make_run(secure, tmp_path, out=out).train()
+    assert summary["step"] == 2 and summary["private_stop"] is True and summary["guarantee"] is False
+    assert "which the guarantee does not cover" in summary["stopped"]
+    assert privacy_report(out, plot=False)["guarantee"] is False
+    from dpregistry.export import _privacy_section, checked_guarantee  # the card's section (tabular has no card)
+
+    _, meta, _ = ckpt.latest_valid(out / "checkpoints")
+    card = "\n".join(_privacy_section(checked_guarantee(out, summary, meta["recipe"], meta, "rdp")))
+    assert "NOT a privacy guarantee.** The run stopped on a count of the private batch" in card
+
+
 def test_the_cli_reports_a_nonfinite_stop_in_one_line(tmp_path, monkeypatch):
     from dpreg_baseline.objectives import TabularObjective
 
