@@ -103,8 +103,7 @@ def checked_guarantee(run_dir: Path, summary: dict[str, Any], recipe: dict[str, 
     ledger.jsonl recorded at the model's step, and its last line; ε, δ and ρ are recomputed from it;
     the noise mode comes from the hash-checked recipe."""
     from .ledger_file import LedgerFile
-    from .recipe import stopped_at_private_count
-    from .report import recomputed, uncomputable
+    from .report import private_stop, recomputed, uncomputable
     from .users import unit_terms
 
     step, entries = meta["step"], meta.get("ledger", [])
@@ -124,8 +123,7 @@ def checked_guarantee(run_dir: Path, summary: dict[str, Any], recipe: dict[str, 
                "target_epsilon": privacy.get("epsilon"), "target_rho": spent.get("target_rho", privacy.get("rho")),
                "accountant": acc.name, "noise_multiplier": meta.get("noise_multiplier"),
                "example_level": spent.get("example_level"), "noise": noise, "guarantee": noise != "reproducible",
-               "private_stop": stopped_at_private_count((recipe.get("train") or {}).get("max_nonfinite_steps"),
-                                                        meta.get("nonfinite_steps", 0)),
+               "private_stop": private_stop(recipe, meta),
                **unit_terms(recipe)}
     return guarantee({**summary, **checked}, recipe, entries, notion)
 

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from . import checkpoint as ckpt
 from . import files
 from .errors import UserError
-from .ledger_file import NAME as LEDGER_NAME, LedgerFile, extends
+from .ledger_file import NAME as LEDGER_NAME, LedgerFile
 from .recipe import resolve
 from .registry import get_registry
 
@@ -506,7 +506,7 @@ def released_after(out: Path, step: int, rows: list[dict[str, Any]], summary: An
             at = None
         if isinstance(at, int) and at > step:
             return f"model.safetensors was written at step {at}"
-    later = [r for r in rows if secret_noise and isinstance(r.get("step"), int) and r["step"] > step]
+    later = [r for r in rows if secret_noise and r["step"] > step]  # (read_rows: every row has an int step)
     if rows_release and later:
         return f"metrics.jsonl holds a row of step {max(r['step'] for r in later)}, whose metrics are functions of its releases"
     evals = [r["step"] for r in later if any(str(k).startswith("eval/") for k in r)]

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .privacy.events import PoissonSampled, PrivacyEvent, SampledWithoutReplacement, held
+from .privacy.events import PoissonSampled, PrivacyEvent, SampledWithoutReplacement
 from .stages import Charge
 
 AMPLIFIED = (PoissonSampled, SampledWithoutReplacement)  # events amplified by a secret batch
@@ -59,11 +59,11 @@ class RecordUse:
         self.n = max(self.n, n)
         self._step.append(batch)
 
-    def end_step(self, step: int, charges: list[Charge], events: Counter) -> None:
-        """Check the step's records against its ``charges`` (the sampler's) and ``events`` (what the
-        algorithm charged, counted), then record them. Raises RuntimeError: the sampler's slip."""
+    def end_step(self, step: int, charges: list[Charge], holds: Counter, events: Counter) -> None:
+        """Check the step's records against its ``charges`` (the sampler's), each event they hold
+        (counted: :func:`~dpregistry.privacy.events.held`) and ``events`` (what the algorithm
+        charged, counted), then record them. Raises RuntimeError: the sampler's slip."""
         batches, self._step = self._step, []
-        holds = sum((held(c.event, c.count) for c in charges), Counter())
         unpaid = events - holds  # what this step released and its own charges do not hold
         covering = bool(charges) and not unpaid
         named = {c.partition for c in charges if c.partition is not None}

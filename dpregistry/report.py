@@ -107,6 +107,12 @@ def uncomputable(run_dir: Path) -> UserError:
                      "wrote it", file=str(run_dir))
 
 
+def private_stop(recipe: dict[str, Any], meta: dict[str, Any]) -> bool:
+    """:func:`~dpregistry.recipe.stopped_at_private_count` of a checkpoint's run."""
+    return stopped_at_private_count((recipe.get("train") or {}).get("max_nonfinite_steps"),
+                                    meta.get("nonfinite_steps", 0))
+
+
 def recomputed(recipe: dict[str, Any], entries: list[dict[str, Any]]):
     """(accountant, what it has spent, spent(accountant) in the recipe's unit) for a ledger: ε at
     the recipe's δ (ELS: group privacy of the example-level ledger, users.group_epsilon) or ρ."""
@@ -203,8 +209,7 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
     label = "ρ spent" if acc.budget.delta is None else "ε spent"
     target = spent.get("target_rho") if acc.budget.delta is None else privacy.get("epsilon")
     guarantee = (privacy.get("noise") != "reproducible" and not any_nonprivate(acc.ledger.events)
-                 and not stopped_at_private_count((recipe.get("train") or {}).get("max_nonfinite_steps"),
-                                                  meta.get("nonfinite_steps", 0)))
+                 and not private_stop(recipe, meta))
     plot_path = None
     if plot and curve:
         plot_path = run_dir / PLOT_NAME

@@ -92,6 +92,7 @@ class Run:
         self._released: Counter = Counter()
         self._charged: Counter = Counter()
         self._step_charges: list[Charge] = []  # what the sampler made of them
+        self._step_held: Counter = Counter()   # each event those charges hold, counted (events.held)
         self.records = RecordUse(self.sampler.name)  # parallel composition, checked against the batches
         release = self.privatizer.release
 
@@ -187,7 +188,7 @@ class Run:
     def begin_step(self) -> Context:
         """The context of the step about to be taken (its noise calls and displacement start afresh)."""
         self._ctx = self.context()
-        self._released, self._charged, self._step_charges = Counter(), Counter(), []
+        self._released, self._charged, self._step_charges, self._step_held = Counter(), Counter(), [], Counter()
         return self._ctx
 
     def _providers(self) -> dict[type, Any]:
@@ -435,7 +436,8 @@ class Run:
         # A second release from the same secret batch, amplified on its own, would under-count: the
         # releases of one batch are one sampled mechanism (Release.events holds them all), wrapped
         # once. Decided by the charges themselves, not only by the sampler's word (``amplifies``).
-        amplified = sum(n for c in charges for e, n in held(c.event, c.count).items() if isinstance(e, AMPLIFIED))
+        holds = sum((held(c.event, c.count) for c in charges), Counter())
+        amplified = sum(n for e, n in holds.items() if isinstance(e, AMPLIFIED))
         if amplified > 1:
             raise RuntimeError(f"sampler {self.sampler.name!r}: step {self.step}'s charges amplify one batch {amplified} "
                                f"times, each as if its batch were drawn alone; the releases of one sampled batch are "
@@ -449,6 +451,7 @@ class Run:
         self.accountant.charge(charges, self.step)
         self._charged.update(events)
         self._step_charges += charges
+        self._step_held += holds
         return charges
 
     def check_charged(self, ctx: Context) -> None:
@@ -479,7 +482,7 @@ class Run:
                                f"{', '.join(e.describe() for e in unmatched)}, which it released, and no earlier "
                                f"charge does: a sampler wraps the released events (sampling, partitions), never "
                                f"replaces them")
-        self.records.end_step(self.step, self._step_charges, self._charged)
+        self.records.end_step(self.step, self._step_charges, self._step_held, self._charged)
 
     def _ever_charged(self) -> set[PrivacyEvent]:
         """Every event the ledger holds, wrappers and what they wrap (cached by the ledger's number

@@ -467,15 +467,18 @@ def test_the_records_each_charge_covers_survive_a_checkpoint():
     after a restore a record read under a covering charge, or in a partition, is still known."""
     from collections import Counter
 
-    from dpregistry.privacy.events import Gaussian
+    from dpregistry.privacy.events import Gaussian, held
     from dpregistry.record_use import RecordUse
+
+    def holds(charges):
+        return sum((held(c.event, c.count) for c in charges), Counter())
 
     g = Gaussian(std=1.0, sensitivity=1.0)
     use = RecordUse("s")
     use.read(torch.tensor([0, 3]), 13)
-    use.end_step(0, [Charge(g, "a")], Counter([g]))
+    use.end_step(0, [Charge(g, "a")], holds([Charge(g, "a")]), Counter([g]))
     use.read(torch.tensor([5, 12]), 13)
-    use.end_step(1, [], Counter())  # covered by step 0's charge, in its partition
+    use.end_step(1, [], Counter(), Counter())  # covered by step 0's charge, in its partition
 
     def restored():
         tensors = {}
@@ -487,17 +490,18 @@ def test_the_records_each_charge_covers_survive_a_checkpoint():
     again = restored()
     again.read(torch.tensor([12]), 13)
     with pytest.raises(RuntimeError, match=r"step 2 .* record 12 was read since the charge at step 0"):
-        again.end_step(2, [], Counter())
+        again.end_step(2, [], Counter(), Counter())
     again = restored()
     again.read(torch.tensor([5]), 13)
     with pytest.raises(RuntimeError, match="step 2 charges partition 'b', but record 5 was read in partition 'a'"):
-        again.end_step(2, [Charge(g, "b")], Counter([g]))
+        again.end_step(2, [Charge(g, "b")], holds([Charge(g, "b")]), Counter([g]))
     again = restored()
     again.read(torch.tensor([7]), 13)
-    again.end_step(2, [Charge(g, "b")], Counter([g]))  # a record no partition held: fine
+    again.end_step(2, [Charge(g, "b")], holds([Charge(g, "b")]), Counter([g]))  # a record no partition held: fine
     again.read(torch.tensor([1]), 13)
     with pytest.raises(RuntimeError, match="charges the partitions a, b for one batch"):
-        again.end_step(3, [Charge(g, "a"), Charge(g, "b")], Counter([g]))
+        both = [Charge(g, "a"), Charge(g, "b")]
+        again.end_step(3, both, holds(both), Counter([g]))
 
 
 class ProcessRandom(shipped("sampler", "uniform")):

@@ -133,12 +133,6 @@ class LedgerView:
     def last_step(self) -> int | None:
         return self._ledger.last_step
 
-    def until(self, step: int) -> Ledger:
-        return Ledger(copy.deepcopy(self._ledger.until(step).entries))
-
-    def to_json(self) -> list[dict[str, Any]]:
-        return self.entries
-
 
 class Accountant(Stage):
     """Consumes privacy events and reports the guarantee they add up to.
