@@ -26,6 +26,18 @@ collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpre
 RECIPES = REPO / "recipes"
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """Each test leaves the environment as it found it: one that runs the CLI's entry point in this
+    process (``cli.main`` sets the Hugging Face libraries' quiet defaults) made a later test that
+    imported huggingface_hub read HF_HUB_DISABLE_PROGRESS_BARS=1."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 #: 1,024 training and 300 test rows of SST-2, shipped with the tests (see tests/data/README.md)
 SST2_SUBSET = REPO / "tests" / "data" / "sst2"
 

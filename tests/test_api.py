@@ -287,10 +287,15 @@ def test_model_loading_draws_no_third_party_progress_bar(capfd):
 
 
 @pytest.mark.parametrize("hub_bars_off", [True, False])
-def test_silencing_the_hf_libraries_restores_each_ones_own_settings(hub_bars_off):
+def test_silencing_the_hf_libraries_restores_each_ones_own_settings(hub_bars_off, monkeypatch):
     """transformers' bar switch also flips huggingface_hub's: a user who turned the hub's bars off
     (or left them on) and set datasets' verbosity finds both as they were."""
+    import importlib
+
     import huggingface_hub.utils as hub
+
+    # as when HF_HUB_DISABLE_PROGRESS_BARS is unset (read once, when the hub is first imported)
+    monkeypatch.setattr(importlib.import_module("huggingface_hub.utils.tqdm"), "HF_HUB_DISABLE_PROGRESS_BARS", None)
     from datasets.utils import logging as dlog
     from transformers.utils import logging as tlog
 
