@@ -28,7 +28,11 @@ Two ways to the clipped sum (``GradSampler(passes=...)``, the estimators' ``pass
   drops the state (only the inputs stay, which autograd keeps for the second pass anyway); the
   second backward, of Σ_i w_i·loss_i once the clip weights w are known, hands every layer
   backprops that already carry w_i, so its plain (masked) sum is its clipped sum. One more
-  input-gradient backward of time; the backprops are never held together.
+  input-gradient backward of time; the backprops are never held together. A per-example gradient
+  that the first backward formed (a small layer's, a bias's, a custom layer's: B·p·q at most the
+  size of the layer's factors) is kept and summed with the weights w_i, as it was measured: formed
+  again from the second backprop, its rounding need not scale with w_i, and where an example's
+  rows cancel it is mostly rounding (a review: 4.9·C released against a clip of C).
 
 A contribution is summed once: the sum drops the kept state (and the second backward frees the graph).
 Its backward runs when it is first read, not when it is made: per-layer clipping (the opt-in
@@ -324,6 +328,11 @@ def _kind(x: Piece) -> int:
 
 def _piece_kind(x: Piece) -> str:
     return ("rows", "ghost", "per_example")[_kind(x)]
+
+
+def _formed(state: dict[str, Piece]) -> dict[str, Piece]:
+    """The pieces of ``state`` held as per-example gradients (a tensor, a materialised Outer)."""
+    return {k: v for k, v in state.items() if _kind(v) == 2}
 
 
 def _dense(x: Piece) -> torch.Tensor:
@@ -1192,9 +1201,12 @@ class GradSampler:
         * book-keeping (one pass): the handler keeps its compact state for the norms and the sum;
         * first of two passes: the norms² now, then the state is dropped (the taps keep the inputs
           for the second pass, as autograd keeps them for its own), except the pieces of
-          parameters reached by several calls, whose cross terms need them all;
+          parameters reached by several calls, whose cross terms need them all, and those formed
+          per example, which the second pass sums;
         * second of two passes: the backprop is of Σ_i w_i·loss_i, so the layer's plain sum (rows
-          of weight 0 masked out, NaN-safe) is its clipped sum; then everything is dropped."""
+          of weight 0 masked out, NaN-safe) is its clipped sum, except for the pieces the first
+          formed per example, which are summed with the weights as measured; then everything is
+          dropped."""
         p = self._pass
         if p is None or p.mode == "per_layer":
             h.on_backprop(use)
@@ -1209,12 +1221,20 @@ class GradSampler:
             use.sq = h.sq_norms(use)
             local = self._local[id(use.module)]
             keep = {k for k in use.keys if local[k] in p.shared}
-            use.state = {k: v for k, v in h.pieces(use).items() if k in keep} if keep else {}
+            pieces = h.pieces(use)
+            formed = _formed(pieces)  # kept and released as measured (see _SecondPass)
+            use.state = {k: v for k, v in pieces.items() if k in keep or k in formed}
             (use.args, use.kwargs), use.inp, use.g = kept, None, None
         else:
             self._check_linear(use, p.weights)
-            h.on_backprop(use)
-            use.sums = h.weighted(use, p.mask)
+            first, use.state = _formed(use.state), {}
+            use.sums = {}
+            if set(use.keys) - set(first):
+                h.on_backprop(use)
+                use.sums = h.weighted(use, p.mask)
+            if first:
+                use.state = first
+                use.sums.update(h.weighted(use, p.weights))
             use.drop()
 
     def _check_linear(self, use: Use, weights: torch.Tensor) -> None:
@@ -1664,8 +1684,9 @@ def _shared_names(uses: list[Use], local: dict[int, dict[str, str]]) -> frozense
 
 class _SecondPass:
     """The second backward of the two-pass mode: backprop Σ_i w_i·loss_i through the graph the
-    first pass kept, so that every layer's plain (masked) sum is its clipped sum. Runs once; then
-    the graph is freed."""
+    first pass kept, so that every layer's plain (masked) sum is its clipped sum; the pieces the
+    first backward formed per example are summed with the weights instead (``_serve``). Runs once;
+    then the graph is freed."""
 
     def __init__(self, sampler: "GradSampler", losses: torch.Tensor, finite: torch.Tensor, anchor: torch.Tensor):
         self.sampler, self.losses, self.finite, self.anchor = sampler, losses, finite, anchor
@@ -1825,7 +1846,7 @@ class HookContribution(DenseContribution):
             if self.second is not None:  # the pieces kept for cross terms are not needed any more
                 for _, _, uses in self.records:
                     for u in uses:
-                        u.sq, u.state = None, {}
+                        u.sq, u.state = None, _formed(u.state)
         return self._sq.sqrt()
 
     def weighted_sum(self, weights):

@@ -172,3 +172,39 @@ def test_a_crafted_example_whose_ghost_norm_cancels_in_fp32_is_still_clipped(mod
         true_norms.append(math.sqrt(sum(float(t.pow(2).sum()) for t in grads)))
     assert max(true_norms) > 100 * C  # the examples really are far outside the clip
     assert worst <= C * (1 + 1e-2)  # the released sum's own fp32 rounding, not an unclipped example
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_formed_per_example_gradient_that_is_mostly_rounding_is_released_as_measured(passes):
+    """A small layer's per-example gradients are formed (B·p·q ≤ the factors). Tokens s·v, ...,
+    s·v, −(T−1)·s·v (s up to 10¹⁰) cancel, so the formed gradient is mostly fp32 rounding; the
+    second of two passes formed it again from its own backprop and released that, which the first
+    pass's norm did not bound (a review: 4.9·C). Now it releases the first pass's, as measured: the
+    sum moves by at most C when the example is removed."""
+    from dpregistry.clipping import clip_and_sum
+    from dpregistry.persample import GradSampler, keeps_per_example
+
+    torch.manual_seed(0)
+    d, T, C = 32, 32, 1.0
+    assert keeps_per_example(T, d, d)
+    model = TokenBag(d).eval()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    g = torch.Generator().manual_seed(2)
+    others = torch.randn(7, T, d, generator=g)
+
+    def released(x):
+        sampler = GradSampler(model, params, passes=passes)
+        with torch.enable_grad(), sampler.capture(x.shape[0]):
+            losses = model(x)
+        out = clip_and_sum(sampler.contribution(losses), C).aggregate.tensors
+        return {k: v.double() for k, v in out.items()}
+
+    without = released(others)
+    worst = 0.0
+    for _ in range(24):
+        v = torch.sign(torch.randn(d, generator=g)) * 2.0 ** torch.randint(-2, 3, (d,), generator=g).float()
+        rows = (v * 10 ** (8 + 2 * torch.rand(1, generator=g).item())).repeat(T, 1)
+        rows[-1] *= -(T - 1)
+        with_it = released(torch.cat([others, rows[None]]))
+        worst = max(worst, math.sqrt(sum(float((with_it[k] - without[k]).pow(2).sum()) for k in without)))
+    assert worst <= C * (1 + 1e-4)
