@@ -472,6 +472,8 @@ def privacy_report(run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="
            f"{rep['charges']} charges over {rep['step']} steps"
     if rep.get("epsilon") is not None:
         head += f": ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g}"
+        if rep.get("delta_fail"):
+            head += f" (of which δ_fail = {rep['delta_fail']:.3g})"
         if rep.get("target_epsilon"):
             head += f" (budget {rep['target_epsilon']:g})"
     if rep.get("rho") is not None:

@@ -186,7 +186,7 @@ def _summary(run: Run, metrics: dict[str, float], t0: float, *, written: bool = 
         "accountant": run.accountant.name,
         "relation": run.relation,
         "noise_multiplier": run.privatizer.noise_multiplier,
-        **{k: spent[k] for k in ("unit", "users", "max_examples_per_user", "user_mechanism", "user_selection",
+        **{k: spent[k] for k in ("delta_fail", "unit", "users", "max_examples_per_user", "user_mechanism", "user_selection",
                                  "example_level") if k in spent},
         "noise": run.rng.noise_mode,
         "guarantee": run.guarantee,

@@ -132,7 +132,7 @@ def recomputed(recipe: dict[str, Any], entries: list[dict[str, Any]]):
         spent["example_level"] = {key: spent.get(key) for key in ("epsilon", "delta", "rho")}
     if k > 1 and spent.get("epsilon") is not None:  # with k = 1 the accountant's own ε is the unit's
         spent["epsilon"] = in_unit(acc)
-    if spent.get("rho") is not None:
+    if spent.get("rho") is not None and user_mechanism(recipe) == "els":  # as Run.spent
         spent["rho"], spent["target_rho"] = spent["rho"] * k * k, target.rho
     return acc, spent, in_unit
 
@@ -224,6 +224,7 @@ def privacy_report(run_dir: Path, *, points: int = 25, plot: bool = True) -> dic
         "accountant": acc.name, "notion": acc.notion,
         "relation": privacy["relation"], "epsilon": spent.get("epsilon"), "delta": privacy.get("delta"),
         "target_epsilon": privacy.get("epsilon"), "rho": spent.get("rho"), "target_rho": spent.get("target_rho"),
+        "delta_fail": spent.get("delta_fail"),  # the failure probability inside δ (zcdp_fail)
         "noise_multiplier": meta.get("noise_multiplier"), "charges": acc.ledger.n_charges,
         "noise": privacy.get("noise"),
         "guarantee": guarantee,

@@ -148,3 +148,20 @@ def test_klt_multi_pass_erm_ring_is_mostly_stationary(tmp_path):
     stationary = sum(run.objective.goldstein_norm(m, 0.2) == 0.0 for m in means) / len(means)
     assert stationary >= 1 - (3 - 1) / (0.002 * 3000) - 0.1
     assert abs(float(run.update_rule.state.x.norm()) - 1) <= 0.2
+
+
+def test_the_failure_probability_is_reported_beside_the_delta_that_holds_it(tmp_path):
+    """zcdp_fail's δ holds a failure probability δ_fail: summary.json and the privacy report state it,
+    and the report's ρ target is the run's (it gave None where the summary gave the ρ that the ε
+    budget allows once δ_fail is set aside; a review)."""
+    from dpregistry.report import privacy_report
+
+    out = tmp_path / "run"
+    # small gaps: the oracle's high-probability bound, with its failure probability, from step 1
+    run = make_run(RECIPES / "klt_sp_fo_min_of_norms.yaml", sets=["train.steps=12", "algorithm.init_gap=0.001"],
+                   out=out)
+    summary = run.train()
+    assert summary["delta_fail"] == run.accountant.delta_fail() > 0
+    rep = privacy_report(out, plot=False)
+    assert rep["delta_fail"] == summary["delta_fail"]
+    assert rep["target_rho"] == pytest.approx(summary["target_rho"]) and summary["target_rho"] > 0

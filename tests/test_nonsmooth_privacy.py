@@ -332,3 +332,41 @@ def test_a_record_outside_the_declared_lipschitz_domain_moves_the_sum_by_at_most
     moved, _, total = clipped_sum(100.0)
     assert total.clipped == 1
     assert float((moved - base).norm()) <= charged * (1 + 1e-6)  # before: 10.2 × the charged 2R
+
+
+def test_zcdp_fail_calibrates_the_noise_to_a_rho_budget_alone(tmp_path):
+    """privacy.rho alone is a budget zcdp_fail holds, yet calibrating to it asked for ε and δ (a
+    review): with no failure probability charged it calibrates the noise zcdp does, and the plan
+    spends at most ρ; one that charges a failure probability is still refused."""
+    from conftest import REPO
+
+    path = REPO / "recipes" / "klt_oracle_ztc_tree.yaml"
+    runs = {acc: make_run(path, tmp_path, sets=["objective.n=2000", f"accountant={acc}"]) for acc in ("zcdp", "zcdp_fail")}
+    z = {acc: r.privatizer.noise_multiplier for acc, r in runs.items()}
+    assert z["zcdp_fail"] == pytest.approx(z["zcdp"], rel=1e-3)
+    fail = runs["zcdp_fail"]
+    planned = max(rho for rho, _ in fail.accountant._totals(fail.accountant.ledger.grouped(fail.plan())))
+    assert 0.99 * fail.budget.rho <= planned <= fail.budget.rho
+    with pytest.raises(UserError, match="meets the budget"):
+        make_run(path, tmp_path, sets=["objective.n=2000", "accountant=zcdp_fail", "estimator.privacy_mode=paper"])
+
+
+def test_fo_ball_refuses_fewer_than_one_direction(tmp_path):
+    """dirs_per_sample ≤ 0 passed validate and failed at the first variance-reduced step (a review)."""
+    from conftest import REPO
+
+    for m in (-1, 0):
+        with pytest.raises(UserError, match="at least 1"):
+            make_run(REPO / "recipes" / "klt_sp_fo_min_of_norms.yaml", tmp_path,
+                     sets=[f"estimator.dirs_per_sample={m}", "estimator.delta_fail=0"])
+
+
+def test_iid_prefix_refuses_single_pass_data(tmp_path):
+    """iid_prefix charges a record at every step of its period (KLT Alg. 4 reuses the data); over
+    single-pass data that was twice what the run spent, under a noise multiplier of neither release
+    (a review)."""
+    from conftest import REPO
+
+    with pytest.raises(UserError, match="tree_aggregation or bounded_gaussian"):
+        make_run(REPO / "recipes" / "ztc_l1.yaml", tmp_path, sets=["privatizer.name=iid_prefix", "objective.n=4000"])
+    assert make_run(REPO / "recipes" / "klt_mp_zo_erm_ring.yaml", tmp_path).privatizer.name == "iid_prefix"

@@ -131,6 +131,20 @@ class ZcdpFailAccountant(Accountant):
             return all(g == 0 and r <= b.rho for r, g in self._totals(groups, exact=True))
         raise UserError("the zcdp_fail accountant needs privacy.epsilon and privacy.delta (or privacy.rho)")
 
+    def _slack(self, groups):
+        """A ρ budget's (calibration solves for its root): log(ρ / budget) of the costliest
+        partition, or +inf where a failure probability is charged (no noise removes it)."""
+        b = self.budget
+        if b.epsilon is not None or b.rho is None:
+            return super()._slack(groups)
+        totals = self._totals(groups)
+        if any(g > 0 for _, g in totals):
+            return math.inf
+        rho = max(r for r, _ in totals)
+        slack = math.log(rho / b.rho) if 0 < rho < math.inf else (-math.inf if rho == 0 else math.inf)
+        fits = self._fits(groups)  # exact, in rationals: the sign follows it where rounding differs
+        return slack if (slack <= 0) == fits else (-5e-324 if fits else 5e-324)
+
     def rho(self) -> float:
         return max(r for r, _ in self._totals(self.ledger.grouped()))
 

@@ -377,6 +377,8 @@ class FOBall(OracleEstimator):
                 raise UserError("dirs_per_sample: theory needs an algorithm that derives m",
                                 key="estimator.dirs_per_sample")
             return int(self.settings.dirs)
+        if int(v) < 1:  # as zo_sphere's: the planned bounds read m, so validate refuses it
+            raise UserError("dirs_per_sample must be at least 1", key="estimator.dirs_per_sample")
         return int(v)
 
     def bound(self, fresh, gap):

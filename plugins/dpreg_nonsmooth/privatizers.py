@@ -258,6 +258,15 @@ class IidPrefix(BoundedPrivatizer):
     class State:
         running: torch.Tensor | None = None  # g̃_(t−1), the noisy running sum (None at a period start)
 
+    def validate(self, ctx):
+        super().validate(ctx)
+        if self.settings.single_pass:
+            # its noise and charges assume a record in every step (sequential composition): single-
+            # pass data would pay twice what it spends, under a noise multiplier of neither release
+            raise UserError("iid_prefix is KLT Alg. 4's privatizer for data reused at every step (sampler "
+                            "full_batch); for single-pass data use tree_aggregation or bounded_gaussian",
+                            key="privatizer")
+
     def _counts(self) -> tuple[int, int]:
         T, P = self.settings.total_steps, self.settings.period
         k1 = -(-T // P)
