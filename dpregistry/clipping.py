@@ -41,7 +41,8 @@ def _clip_groups(contribution, clip: float) -> ClippedSum:
     rows is not finite is dropped whole."""
     users, local = torch.unique(contribution.groups, return_inverse=True)
     n = len(users)
-    sums = contribution.group_norms(local, n)
+    formed = contribution.grouped(local, n)  # each user's sum, released as its norm measured it
+    sums = formed.norms() if formed is not None else contribution.group_norms(local, n)
     local = local.to(sums.device)
     rows = torch.bincount(local, minlength=n).to(sums.dtype)
     bad = torch.zeros(n, dtype=sums.dtype, device=sums.device)
@@ -51,7 +52,7 @@ def _clip_groups(contribution, clip: float) -> ClippedSum:
     finite = torch.isfinite(sums) & (bad == 0)
     means = sums / rows
     w = clip_weights(means, clip, finite) / rows          # per user: min(1, C/‖mean‖) / m_u
-    agg = contribution.weighted_sum(w[local])
+    agg = formed.weighted_sum(w) if formed is not None else contribution.weighted_sum(w[local])
     loss_sum = 0.0
     if losses is not None and losses.numel():
         per_user = torch.zeros(n, dtype=torch.float64, device=sums.device).index_add_(

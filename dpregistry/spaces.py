@@ -239,6 +239,14 @@ class Contribution(ABC):
         """‖Σ_{i in g} c_i‖ for each group g (``groups``: the group 0..n_groups−1 of each row)."""
         raise NotImplementedError(f"{type(self).__name__} cannot clip groups of examples")
 
+    def grouped(self, groups: torch.Tensor, n_groups: int) -> "Contribution | None":
+        """The contribution whose rows are the groups' sums, formed once, so that the sum a group's
+        clip weight multiplies is the one its norm measured; None where the rows are not formed
+        (``group_norms`` and ``weighted_sum`` then see to it). Summed anew among the other groups'
+        rows, a group whose rows cancel (±10³⁰) left rounding of its own size in the sum, and
+        drowned the other groups' rows in it (a review)."""
+        return None
+
     def gather(self, comm) -> "Contribution | None":
         """The whole batch's contribution from every rank's shard, when it is small enough to send
         (per-example scalars); None means ranks all-reduce their clipped sums instead."""
@@ -268,13 +276,15 @@ class DenseContribution(Contribution):
                                for k, g in self.per_example.items()})
 
     def group_norms(self, groups, n_groups):
-        sq = None
-        for g in self.per_example.values():
-            g = g.to(acc_dtype(g.dtype)).flatten(1)
-            s = torch.zeros((n_groups, g.shape[1]), dtype=g.dtype, device=g.device).index_add_(0, groups.to(g.device), g)
-            s = s.pow(2).sum(1)
-            sq = s if sq is None else sq + s
-        return sq.sqrt()
+        return self.grouped(groups, n_groups).norms()
+
+    def grouped(self, groups, n_groups):
+        sums = {}
+        for k, g in self.per_example.items():
+            g = g.to(acc_dtype(g.dtype))
+            sums[k] = torch.zeros((n_groups, *g.shape[1:]), dtype=g.dtype, device=g.device).index_add_(
+                0, groups.to(g.device), g)
+        return DenseContribution(per_example=sums, kind=self.kind)
 
 
 @dataclass
@@ -298,8 +308,12 @@ class DirectionContribution(Contribution):
         return DirectionAggregate(v, self.direction, self.names)
 
     def group_norms(self, groups, n_groups):
+        return self.grouped(groups, n_groups).norms()
+
+    def grouped(self, groups, n_groups):
         v = self.values.to(acc_dtype(self.values.dtype))
-        return torch.zeros(n_groups, dtype=v.dtype, device=v.device).index_add_(0, groups.to(v.device), v).abs()
+        summed = torch.zeros(n_groups, dtype=v.dtype, device=v.device).index_add_(0, groups.to(v.device), v)
+        return replace(self, values=summed, losses=None, groups=None)
 
     def gather(self, comm):
         return replace(self, values=comm.gather_rows(self.values),
@@ -341,9 +355,12 @@ class VectorZOContribution(Contribution):
                        losses=comm.gather_rows(self.losses) if self.losses is not None else None)
 
     def group_norms(self, groups, n_groups):
+        return self.grouped(groups, n_groups).norms()
+
+    def grouped(self, groups, n_groups):
         v = self.values.to(acc_dtype(self.values.dtype))
         summed = torch.zeros((n_groups, v.shape[1]), dtype=v.dtype, device=v.device).index_add_(0, groups.to(v.device), v)
-        return replace(self, values=summed, groups=None).norms()
+        return replace(self, values=summed, losses=None, groups=None)
 
     def weighted_sum(self, weights):
         dt = acc_dtype(self.values.dtype)

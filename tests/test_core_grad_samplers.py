@@ -208,3 +208,41 @@ def test_a_formed_per_example_gradient_that_is_mostly_rounding_is_released_as_me
         with_it = released(torch.cat([others, rows[None]]))
         worst = max(worst, math.sqrt(sum(float((with_it[k] - without[k]).pow(2).sum()) for k in without)))
     assert worst <= C * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("mode", ["flat", "two passes", "per layer"])
+def test_the_share_of_an_example_whose_rows_cancel_is_summed_in_float64(mode):
+    """Factors kept (ghost norms): the clipped sum is one fp32 GEMM over every example's rows, and
+    for an example whose rows cancel (tokens s·v, ..., s·v, −(T−1)·s·v) its rounding there is not
+    bounded by the example's norm, which is exact: one such example moved the sum by 1.36·C (a
+    review's search, at d = 260 and T = 128). Where the norm had to be recomputed in float64, the
+    example's share of the sum now is too."""
+    from dpregistry.clipping import clip_and_sum, clip_and_sum_per_layer
+    from dpregistry.persample import GradSampler, keeps_per_example
+
+    torch.manual_seed(0)
+    d, T, C = 260, 128, 1.0
+    assert not keeps_per_example(T, d, d)
+    model = TokenBag(d).eval()
+    model.lin.bias.requires_grad_(False)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    g = torch.Generator().manual_seed(3)
+    others = torch.randn(3, T, d, generator=g)
+
+    def released(x):
+        sampler = GradSampler(model, params, passes=2 if mode == "two passes" else 1)
+        with torch.enable_grad(), sampler.capture(x.shape[0]):
+            losses = model(x)
+        c = sampler.contribution(losses)
+        out = (clip_and_sum_per_layer(c, C) if mode == "per layer" else clip_and_sum(c, C)).aggregate.tensors
+        return {k: v.double() for k, v in out.items()}
+
+    without = released(others)
+    worst = 0.0
+    for _ in range(30):
+        v = torch.randn(d, generator=g)
+        rows = (v * 10 ** (2 + 6 * torch.rand(1, generator=g).item())).repeat(T, 1)
+        rows[-1] *= -(T - 1)
+        with_it = released(torch.cat([others, rows[None]]))
+        worst = max(worst, math.sqrt(sum(float((with_it[k] - without[k]).pow(2).sum()) for k in without)))
+    assert worst <= C * (1 + 1e-4)

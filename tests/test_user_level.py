@@ -625,3 +625,70 @@ def test_a_resume_with_other_users_is_refused(tmp_path):
                           users=torch.arange(400) // 8, verbose=False)
     assert dpregistry.resume(tmp_path / "r", model=model(), loss=per_example, train_data=data,
                              users=torch.arange(400) // 10, verbose=False).summary["step"] == 4
+
+
+@pytest.mark.parametrize("space", ["dense", "direction"])
+def test_a_user_whose_rows_cancel_moves_the_clipped_sum_by_at_most_c(space):
+    """Rows ±10³⁰ of one user cancel in the user's sum, whose norm is then 0: the user is not
+    clipped. Summed anew among the other users' rows, the two rows drowned those users' rows
+    (1e30 absorbs them), and the sum moved by all of them, not by at most C (a review). The users'
+    sums are now formed once, and the weights multiply those."""
+    from dpregistry.clipping import clip_and_sum
+    from dpregistry.spaces import DenseContribution, DirectionContribution
+
+    C = 1.0
+    rows = torch.full((6, 3), 0.9)  # six users of one row each, inside the clip
+    crafted = torch.tensor([[1e30, 1e30, 1e30], [-1e30, -1e30, -1e30]])
+
+    def released(values, groups):
+        if space == "dense":
+            c = DenseContribution(per_example={"w": values}, losses=torch.zeros(len(values)), groups=groups)
+            return clip_and_sum(c, C).aggregate.tensors["w"].double()
+        c = DirectionContribution(values=values[:, 0], direction=None, losses=torch.zeros(len(values)), groups=groups)
+        return clip_and_sum(c, C).aggregate.tensors["coeff"].double()
+
+    without = released(rows, torch.arange(6))
+    with_it = released(torch.cat([rows[:3], crafted, rows[3:]]), torch.tensor([0, 1, 2, 9, 9, 3, 4, 5]))
+    assert float((with_it - without).norm()) <= C
+
+
+def test_a_user_whose_examples_cancel_in_a_hooked_layer_moves_the_sum_by_at_most_c():
+    """Two examples of one user, tokens s·v and −s·v (s from 10² to 10⁸), through a token-wise
+    Linear: the user's gradient is 0 and its norm 0, the user unclipped; the sum of the
+    examples' products among the others' rows then released their fp32 rounding: 3.5·C (a
+    review). The user's formed sums (and, for factors, the float64 shares) are released instead."""
+    from dpregistry.clipping import clip_and_sum
+    from dpregistry.persample import GradSampler
+
+    torch.manual_seed(0)
+    d, T, C = 260, 128, 1.0
+
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = nn.Linear(d, d, bias=False), nn.Linear(d, 1)
+            self.head.requires_grad_(False)
+
+        def forward(self, x):
+            return self.head(self.lin(x).mean(1)).squeeze(1)
+
+    model = Bag().eval()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    g = torch.Generator().manual_seed(3)
+    others = torch.randn(3, T, d, generator=g)
+
+    def released(x, groups):
+        sampler = GradSampler(model, params)
+        with torch.enable_grad(), sampler.capture(x.shape[0]):
+            losses = model(x)
+        c = sampler.contribution(losses)
+        c.groups = groups
+        return clip_and_sum(c, C).aggregate.tensors["lin.weight"].double()
+
+    without = released(others, torch.arange(3))
+    worst = 0.0
+    for _ in range(6):
+        a = (torch.randn(d, generator=g) * 10 ** (2 + 6 * torch.rand(1, generator=g).item())).repeat(T, 1)
+        with_it = released(torch.cat([others, a[None], -a[None]]), torch.tensor([0, 1, 2, 7, 7]))
+        worst = max(worst, float((with_it - without).norm()))
+    assert worst <= C

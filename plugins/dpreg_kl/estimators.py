@@ -34,6 +34,12 @@ class GroupedDenseContribution(DenseContribution):
     def n_records(self) -> int:
         return int(self.counts.sum())
 
+    def grouped(self, groups, n_groups):  # a row stands for counts[i] records of its group
+        c = self.counts
+        return DenseContribution(per_example={k: g * c.to(g.dtype).view((-1,) + (1,) * (g.dim() - 1))
+                                              for k, g in self.per_example.items()},
+                                 kind=self.kind).grouped(groups, n_groups)
+
     def weighted_sum(self, weights):
         w = weights.to(self.counts.dtype) * self.counts
         out = {}
