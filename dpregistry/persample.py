@@ -221,7 +221,7 @@ class Outer:
     factors or materialised ([B, p, q]), whichever takes less memory (``keeps_per_example``;
     ``per_example`` forces one form, for tests)."""
 
-    __slots__ = ("u", "v", "m", "exact")
+    __slots__ = ("u", "v", "m", "exact", "forming")
 
     def __init__(self, u: torch.Tensor, v: torch.Tensor, per_example: bool | None = None):
         T, p, q = u.shape[1], u.shape[2], v.shape[2]
@@ -230,6 +230,14 @@ class Outer:
         else:
             self.m, self.u, self.v = None, u, v
         self.exact = None  # examples whose share of the sum is formed in float64 (``_sq_bound``)
+        self.forming = None  # a bound on ‖fl(G_i) − G_i‖ where the norm must bound G_i itself (``regroup``)
+
+    @classmethod
+    def formed(cls, m: torch.Tensor, forming: torch.Tensor | None = None) -> "Outer":
+        """The materialised G_i = m [B, p, q], with a bound on the error of having formed them."""
+        x = cls.__new__(cls)
+        x.u, x.v, x.m, x.exact, x.forming = None, None, m, None, forming
+        return x
 
     @property
     def materialised(self) -> bool:
@@ -414,7 +422,11 @@ def regroup(x: Piece, groups: torch.Tensor, n_groups: int) -> Piece:
 
     if isinstance(x, Rows):
         return Rows(side_by_side(x.ids), side_by_side(x.g), x.num_rows)
-    return Outer(side_by_side(x.u), side_by_side(x.v))
+    u, v = side_by_side(x.u), side_by_side(x.v)
+    out = Outer(u, v)
+    if out.materialised:  # the group's sum is formed here, but released from its members' factors
+        out.forming = 1.01 * _gamma(u.shape[1], _roundoff(u.dtype)) * _rows_norm_products(u, v)
+    return out
 
 
 def _slots(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -448,7 +460,11 @@ def _sq_parts(x: Piece) -> tuple[torch.Tensor, torch.Tensor]:
         return _linear_weight_sq(x.v, x.u)
     dense = _dense(x)
     sq = _per_row(dense).pow(2).sum(1, dtype=torch.float64)  # the released tensor's own squares
-    return sq, 4 * _roundoff(dense.dtype) * sq
+    err = 4 * _roundoff(dense.dtype) * sq
+    if isinstance(x, Outer) and x.forming is not None:  # ‖G‖² ≤ (‖fl(G)‖ + f)²
+        f = x.forming.to(sq.device)
+        err = err + 2 * sq.sqrt() * f + f * f
+    return sq, err
 
 
 def _magnitude(x: Piece) -> torch.Tensor:
@@ -492,6 +508,8 @@ def _piece_rows64(x: Piece, idx: torch.Tensor) -> Piece:
         return Rows(x.ids[idx], x.g[idx].double(), x.num_rows)
     if isinstance(x, Outer) and not x.materialised:
         return Outer(x.u[idx].double(), x.v[idx].double(), per_example=False)
+    if isinstance(x, Outer) and x.forming is not None:  # formed in its own dtype: its bound stays
+        return Outer.formed(x.m[idx].double(), x.forming[idx])
     return _dense(x)[idx].double()
 
 
@@ -530,8 +548,8 @@ def _exact_rows(state: dict[str, Piece]) -> dict[str, torch.Tensor]:
 
 def release_exactly(x: Piece, idx: torch.Tensor) -> None:
     """Form the share of the examples ``idx`` in x's weighted sum in float64 (a piece kept as factors
-    or rows: a formed piece is released as measured)."""
-    if isinstance(x, Rows) or (isinstance(x, Outer) and not x.materialised):
+    or rows; a formed piece is released as measured, and only marks them for ``group_norms``)."""
+    if isinstance(x, (Rows, Outer)):
         idx = idx.to(_piece_tensor(x).device)
         x.exact = idx if x.exact is None else torch.unique(torch.cat([x.exact, idx]))
 
@@ -1884,9 +1902,9 @@ class HookContribution(DenseContribution):
             grouped = [regroup(v, groups, n_groups) for _, _, v in calls]
             term = _sq_bound(grouped)
             for (u, k, v), gx in zip(calls, grouped):
-                if _kind(gx) == 2:  # the group sums formed: released as they were measured
+                if _kind(v) == 2:  # the members' rows formed (small): the group sums as measured
                     u.state[k] = _GroupSums(_dense(gx), groups)
-                elif gx.exact is not None:  # a group's norm recomputed in float64: its members' shares too
+                elif getattr(gx, "exact", None) is not None:  # cancellation in a group: its members' shares in float64
                     release_exactly(v, torch.isin(groups.to(gx.exact.device), gx.exact).nonzero().squeeze(1))
             sq = term if sq is None else sq + term
             del grouped
