@@ -158,8 +158,8 @@ def test_the_failure_probability_is_reported_beside_the_delta_that_holds_it(tmp_
 
     out = tmp_path / "run"
     # small gaps: the oracle's high-probability bound, with its failure probability, from step 1
-    run = make_run(RECIPES / "klt_sp_fo_min_of_norms.yaml", sets=["train.steps=4", "algorithm.init_gap=0.001", "objective.n=2000"],
-                   out=out)
+    run = make_run(RECIPES / "klt_sp_fo_min_of_norms.yaml",
+                   sets=["train.steps=4", "algorithm.init_gap=0.001", "objective.n=2000"], out=out)
     summary = run.train()
     assert summary["delta_fail"] == run.accountant.delta_fail() > 0
     rep = privacy_report(out, plot=False)
