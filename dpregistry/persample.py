@@ -285,7 +285,8 @@ class Rows:
             rows, slot = torch.unique(self.ids[i], return_inverse=True)
             mine = _scale_rows(self.g[i].double(), w[i].double())
             part = torch.zeros((len(rows), gw.shape[-1]), dtype=torch.float64, device=gw.device)
-            out.index_add_(0, rows, part.index_add_(0, slot.reshape(-1), mine.reshape(-1, gw.shape[-1])).to(out.dtype))
+            part.index_add_(0, slot.reshape(-1), mine.reshape(-1, gw.shape[-1]))
+            out.index_add_(0, rows, part.to(out.dtype))
         return out
 
     def per_example(self) -> torch.Tensor:
@@ -593,7 +594,8 @@ class Use:
 
     def drop(self) -> None:
         """Forget the call's inputs, backprop and kept state (once its sum is formed)."""
-        self.state, self.inp, self.g, self.args, self.kwargs, self.echo, self.exact = {}, None, None, (), {}, None, {}
+        self.state, self.inp, self.g, self.args, self.kwargs = {}, None, None, (), {}
+        self.echo, self.exact = None, {}
 
 
 class LayerHandler:
@@ -1898,13 +1900,15 @@ class HookContribution(DenseContribution):
                 for k, v in h.pieces(u).items():
                     by_parameter.setdefault(local[k], []).append((u, k, v))
         sq = None
-        for calls in by_parameter.values():  # one parameter's regrouped copy at a time: memory of one layer, not all
+        # one parameter's regrouped copy at a time (memory of one layer, not all), but for the group
+        # sums of formed rows, which are small and are what the weighted sum releases
+        for calls in by_parameter.values():
             grouped = [regroup(v, groups, n_groups) for _, _, v in calls]
             term = _sq_bound(grouped)
             for (u, k, v), gx in zip(calls, grouped):
                 if _kind(v) == 2:  # the members' rows formed (small): the group sums as measured
                     u.state[k] = _GroupSums(_dense(gx), groups)
-                elif getattr(gx, "exact", None) is not None:  # cancellation in a group: its members' shares in float64
+                elif getattr(gx, "exact", None) is not None:  # a group whose rows cancel: members in float64
                     release_exactly(v, torch.isin(groups.to(gx.exact.device), gx.exact).nonzero().squeeze(1))
             sq = term if sq is None else sq + term
             del grouped
