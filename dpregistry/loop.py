@@ -186,8 +186,8 @@ def _summary(run: Run, metrics: dict[str, float], t0: float, *, written: bool = 
         "accountant": run.accountant.name,
         "relation": run.relation,
         "noise_multiplier": run.privatizer.noise_multiplier,
-        **{k: spent[k] for k in ("delta_fail", "unit", "users", "max_examples_per_user", "user_mechanism", "user_selection",
-                                 "example_level") if k in spent},
+        **{k: spent[k] for k in ("delta_fail", "unit", "users", "max_examples_per_user", "user_mechanism",
+                                 "user_selection", "example_level") if k in spent},
         "noise": run.rng.noise_mode,
         "guarantee": run.guarantee,
         **({"private_stop": True} if run.stopped_at_private_count else {}),  # (the opt-in non-finite limit)

@@ -313,7 +313,7 @@ class DirectionContribution(Contribution):
     def grouped(self, groups, n_groups):
         v = self.values.to(acc_dtype(self.values.dtype))
         summed = torch.zeros(n_groups, dtype=v.dtype, device=v.device).index_add_(0, groups.to(v.device), v)
-        return replace(self, values=summed, losses=None, groups=None)
+        return replace(self, values=summed, losses=None, indices=None, groups=None)
 
     def gather(self, comm):
         return replace(self, values=comm.gather_rows(self.values),
@@ -360,7 +360,7 @@ class VectorZOContribution(Contribution):
     def grouped(self, groups, n_groups):
         v = self.values.to(acc_dtype(self.values.dtype))
         summed = torch.zeros((n_groups, v.shape[1]), dtype=v.dtype, device=v.device).index_add_(0, groups.to(v.device), v)
-        return replace(self, values=summed, losses=None, groups=None)
+        return replace(self, values=summed, losses=None, indices=None, groups=None)
 
     def weighted_sum(self, weights):
         dt = acc_dtype(self.values.dtype)
