@@ -221,7 +221,7 @@ class Outer:
     factors or materialised ([B, p, q]), whichever takes less memory (``keeps_per_example``;
     ``per_example`` forces one form, for tests)."""
 
-    __slots__ = ("u", "v", "m", "exact", "forming")
+    __slots__ = ("u", "v", "m", "exact", "forming", "instead")
 
     def __init__(self, u: torch.Tensor, v: torch.Tensor, per_example: bool | None = None):
         T, p, q = u.shape[1], u.shape[2], v.shape[2]
@@ -231,12 +231,13 @@ class Outer:
             self.m, self.u, self.v = None, u, v
         self.exact = None  # examples whose share of the sum is formed in float64 (``_sq_bound``)
         self.forming = None  # a bound on ‖fl(G_i) − G_i‖ where the norm must bound G_i itself (``regroup``)
+        self.instead = None  # float64 factors of the ``exact`` rows to release in place of these (two passes)
 
     @classmethod
     def formed(cls, m: torch.Tensor, forming: torch.Tensor | None = None) -> "Outer":
         """The materialised G_i = m [B, p, q], with a bound on the error of having formed them."""
         x = cls.__new__(cls)
-        x.u, x.v, x.m, x.exact, x.forming = None, None, m, None, forming
+        x.u, x.v, x.m, x.exact, x.forming, x.instead = None, None, m, None, forming, None
         return x
 
     @property
@@ -254,8 +255,8 @@ class Outer:
             return _weighted_factors(self.u, self.v, w)
         i = self.exact.to(w.device)
         out = _weighted_factors(self.u, self.v, w.index_fill(0, i, 0))
-        mine = _weighted_factors(self.u[i].double(), self.v[i].double(), w[i].double())
-        return out.add_(mine.to(out.dtype))
+        u, v = self.instead or (self.u[i].double(), self.v[i].double())
+        return out.add_(_weighted_factors(u, v, w[i].double()).to(out.dtype))
 
     def per_example(self) -> torch.Tensor:
         if self.m is not None:
@@ -267,11 +268,12 @@ class Rows:
     """Per-example gradients of an embedding table (num_rows × d): G_i = Σ_t e_{ids_it} g_itᵀ,
     kept as the ids [B, T] and the backprops g [B, T, d]."""
 
-    __slots__ = ("ids", "g", "num_rows", "exact")
+    __slots__ = ("ids", "g", "num_rows", "exact", "instead")
 
     def __init__(self, ids: torch.Tensor, g: torch.Tensor, num_rows: int):
         self.ids, self.g, self.num_rows = ids, g, num_rows
         self.exact = None  # examples whose share of the sum is formed in float64 (``_sq_bound``)
+        self.instead = None  # float64 (ids, backprops) of the ``exact`` rows to release instead (two passes)
 
     def sq_norms(self) -> torch.Tensor:
         return _sq_bound([self])
@@ -282,8 +284,9 @@ class Rows:
         out.index_add_(0, self.ids.reshape(-1), gw.reshape(-1, gw.shape[-1]))
         if self.exact is not None:  # their rows summed in float64, on the rows they touch
             i = self.exact.to(w.device)
-            rows, slot = torch.unique(self.ids[i], return_inverse=True)
-            mine = _scale_rows(self.g[i].double(), w[i].double())
+            ids, g = self.instead or (self.ids[i], self.g[i].double())
+            rows, slot = torch.unique(ids, return_inverse=True)
+            mine = _scale_rows(g, w[i].double())
             part = torch.zeros((len(rows), gw.shape[-1]), dtype=torch.float64, device=gw.device)
             part.index_add_(0, slot.reshape(-1), mine.reshape(-1, gw.shape[-1]))
             out.index_add_(0, rows, part.to(out.dtype))
@@ -542,9 +545,23 @@ def _sq_bound(pieces: list[Piece]) -> torch.Tensor:
     return (sq + 2 * err).to(dtype)
 
 
-def _exact_rows(state: dict[str, Piece]) -> dict[str, torch.Tensor]:
-    """The examples ``release_exactly`` chose, by the pieces' names."""
-    return {k: v.exact for k, v in state.items() if getattr(v, "exact", None) is not None}
+def _exact_rows(state: dict[str, Piece]) -> dict[str, tuple[torch.Tensor, Piece]]:
+    """By the pieces' names, the examples ``release_exactly`` chose and their rows in float64 (two
+    passes: the second backward's backprops carry the clip weights with a rounding that is not
+    w_i times the first's, so those examples' shares are formed from the first's rows)."""
+    return {k: (v.exact, _piece_rows64(v, v.exact)) for k, v in state.items()
+            if isinstance(v, (Rows, Outer)) and _kind(v) != 2 and v.exact is not None}
+
+
+def _release_instead(x: Piece, idx: torch.Tensor, first: Piece, w: torch.Tensor) -> None:
+    """Release the rows ``idx`` of x as ``first`` (the first backward's, float64) scaled by the clip
+    weights w of those rows."""
+    release_exactly(x, idx)
+    scale = torch.where(w > 0, w, torch.zeros_like(w)).to(torch.float64)
+    if isinstance(first, Rows):
+        x.instead = (first.ids, _scale_rows(first.g, scale))
+    else:
+        x.instead = (_scale_rows(first.u, scale), first.v)
 
 
 def release_exactly(x: Piece, idx: torch.Tensor) -> None:
@@ -585,8 +602,8 @@ class Use:
     #: two passes only: a sketch of the first backward's backprop (``_row_sketch``), which the
     #: second's must equal times the clip weights
     echo: torch.Tensor | None = None
-    #: two passes only: by local name, the examples whose share the second forms in float64
-    #: (``release_exactly``, decided by the first backward's norms)
+    #: two passes only: by local name, the examples whose share is formed in float64 and their
+    #: first backward's rows (``_exact_rows``, decided by that backward's norms)
     exact: dict = field(default_factory=dict)
     #: how each parameter's per-example gradients were kept: "ghost" (factors; norms from Gram
     #: products), "per_example" (materialised), "rows" (an embedding's ids and backprops)
@@ -1303,16 +1320,16 @@ class GradSampler:
             (use.args, use.kwargs), use.inp, use.g = kept, None, None
         else:
             self._check_linear(use, p.weights)
-            first, use.state = _formed(use.state), {}
+            formed, use.state = _formed(use.state), {}
             use.sums = {}
-            if set(use.keys) - set(first):
+            if set(use.keys) - set(formed):
                 h.on_backprop(use)
-                for k, idx in use.exact.items():
+                for k, (idx, rows) in use.exact.items():
                     if k in use.state:
-                        release_exactly(use.state[k], idx)
+                        _release_instead(use.state[k], idx, rows, p.weights[idx.to(p.weights.device)])
                 use.sums = h.weighted(use, p.mask)
-            if first:
-                use.state = first
+            if formed:
+                use.state = formed
                 use.sums.update(h.weighted(use, p.weights))
             use.drop()
 

@@ -341,14 +341,18 @@ class VectorZOContribution(Contribution):
         return [torch.cat([u.flatten() for u in d.dense(tensors, dtype=dtype)]) for d in self.directions]
 
     def norms(self):
-        dt = acc_dtype(self.values.dtype)
-        v = self.values.to(dt)
-        if len(self.directions) == 1:
-            u = self._dirs(dt)[0]
-            return v[:, 0].abs() * u.norm()
-        U = torch.stack(self._dirs(dt))  # [m, d]
-        gram = U @ U.T
-        return torch.einsum("bi,ij,bj->b", v, gram, v).clamp_min(0).sqrt()
+        """‖Σ_j v_ij·u_j‖ per row, from above: vᵀ(UUᵀ)v in float64 from the values and the
+        directions the lift uses, plus its rounding bound, (γ_d + γ_{m²})·M² with M = Σ_j |v_j|·‖u_j‖
+        (each Gram entry off by γ_d‖u_i‖‖u_j‖, the form's sum by γ_{m²}). In fp32 and unbounded, a
+        row of 10¹⁵ in the null space of the directions (m > d) had norm 0, so it was not clipped,
+        and its lift moved the sum by 10⁸·C (a review); ``weighted_sum`` lifts in float64."""
+        v = self.values.to(torch.float64)
+        U = torch.stack(self._dirs(acc_dtype(self.values.dtype))).to(torch.float64)  # [m, d]
+        M = v.abs() @ U.norm(dim=1)
+        unit = torch.finfo(torch.float64).eps / 2
+        gamma = sum(n * unit / (1 - n * unit) for n in (U.shape[1], U.shape[0] ** 2))
+        sq = torch.einsum("bi,ij,bj->b", v, U @ U.T, v)
+        return (sq.clamp_min(0) + 2.02 * gamma * M * M).sqrt()
 
     def gather(self, comm):
         return replace(self, values=comm.gather_rows(self.values),
@@ -364,10 +368,10 @@ class VectorZOContribution(Contribution):
 
     def weighted_sum(self, weights):
         dt = acc_dtype(self.values.dtype)
-        coeff = _mask_rows(self.values.to(dt), weights).sum(0)  # [m]
-        flat = sum(c * u for c, u in zip(coeff, self._dirs(dt)))
+        coeff = _mask_rows(self.values.to(torch.float64), weights).sum(0)  # [m], float64 as the norms
+        flat = sum(c * u.to(torch.float64) for c, u in zip(coeff, self._dirs(dt)))
         out, start = {}, 0
         for k, p in self.params.items():
-            out[k] = flat[start:start + p.numel()].view(p.shape).clone()
+            out[k] = flat[start:start + p.numel()].view(p.shape).to(dt)
             start += p.numel()
         return DenseAggregate(out)

@@ -9,6 +9,8 @@ Rewritten on 2026-11-27 on an AVX2 machine (the record before was an AVX-512 one
 machine the code before and after that day's changes gave bit-identical parameters and ledgers for
 every recipe but minilm_sst2_user_dp_adam (user-level clipping now releases each user's formed
 sum: the summation order changed), and every recipe matched the AVX-512 record's parameter sums.
+Then quadratic_dpgd0th's parameters (not its ledger) changed on purpose: vector zeroth-order norms
+and lifts are computed in float64.
 """
 
 from __future__ import annotations

@@ -231,3 +231,34 @@ def test_accountant_without_budget_records_charges():
     assert acc.ledger.n_charges == 2
     acc.bind(Budget(epsilon=1.0, delta=1e-5))
     assert not acc.can_afford([Charge(NonPrivate())])    # with a budget, a non-private release is refused
+
+
+@pytest.mark.parametrize("d, m", [(8, 12), (64, 64)])
+def test_a_vector_zo_row_whose_lift_cancels_is_clipped_by_its_lift(d, m):
+    """DPGD-0th's rows are m coefficients on m public directions. A row of 10¹⁵ in the null space
+    of the directions (m > d), or along their weakest one (m = d), lifts to almost nothing, and its
+    fp32 Gram norm came out 0 or 2 % low: unclipped, its fp32 lift moved the sum by 1.4·10⁸·C, or
+    1.02·C (a review). The norm is now an upper bound in float64 and the lift is float64."""
+    import torch
+
+    from dpregistry.clipping import clip_and_sum
+    from dpregistry.directions import Direction
+    from dpregistry.spaces import VectorZOContribution
+
+    params, C = {"w": torch.zeros(d)}, 1.0
+    dirs = tuple(Direction(1000 + j) for j in range(m))
+    U = torch.stack([u.flatten() for dr in dirs for u in dr.dense(list(params.values()), dtype=torch.float64)])
+    left, _, _ = torch.linalg.svd(U, full_matrices=True)
+    g = torch.Generator().manual_seed(0)
+    others = torch.randn(3, m, generator=g, dtype=torch.float64) * 0.1
+
+    def released(values):
+        c = VectorZOContribution(values=values.float(), directions=dirs, params=params)
+        return clip_and_sum(c, C).aggregate.tensors["w"].double()
+
+    without, worst = released(others), 0.0
+    for _ in range(6):
+        coef = torch.randn(m, generator=g, dtype=torch.float64)
+        row = left[:, d:] @ coef[d:] if m > d else left[:, -1] * coef[0]
+        worst = max(worst, float((released(torch.cat([others, (row / row.norm() * 1e15)[None]])) - without).norm()))
+    assert worst <= C
