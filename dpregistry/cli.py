@@ -241,8 +241,7 @@ def _exit_if_stopped(run_, out: Path | None) -> None:
             err.print(f"{escape(run_.stop_reason or 'stopped')}; resume with: dpreg resume {escape(str(out))}",
                       highlight=False, soft_wrap=True)
         raise typer.Exit(128 + int(run_.stop_signal))
-    limit = run_.recipe.train.max_nonfinite_steps
-    if run_.stop_reason and limit is not None and run_.nonfinite_steps > limit:
+    if run_.stop_reason and run_.stopped_at_private_count:
         say_error(f"{out}: {run_.stop_reason}; the final checkpoint is written")
         raise typer.Exit(1)
 

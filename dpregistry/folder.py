@@ -462,7 +462,7 @@ def resume_run(out_dir: Path, *, comm=None, warn=print, max_nonfinite_steps: int
         raise
     if _check_ledger(run, tensors, meta, path):  # (a line torn by a kill is written again by finish)
         folder.saved = (run.step, meta["ledger"])  # so a finished run's finish() need not write it again
-    if recipe.train.max_nonfinite_steps is not None and run.nonfinite_steps > recipe.train.max_nonfinite_steps:
+    if run.stopped_at_private_count:
         raise UserError(f"the run stopped at its non-finite limit ({run.nonfinite_steps} steps had non-finite losses "
                         f"or gradients; train.max_nonfinite_steps = {recipe.train.max_nonfinite_steps}); fix the "
                         f"cause, then raise the limit: `dpreg resume {out_dir} --max-nonfinite-steps N`",

@@ -110,11 +110,10 @@ def _steps(run: Run, progress, tau, t0, state) -> None:
             run.nonfinite_steps += 1
             # Opt-in only: the count is of the private batch, without noise, so a stop on it tells a data
             # set with a record whose loss is NaN from one without (review 24: 11 steps against 40).
-            limit = train_cfg.max_nonfinite_steps
-            if limit is not None and run.nonfinite_steps > limit:
+            if run.stopped_at_private_count:
                 run.stop_reason = (f"{run.nonfinite_steps} steps had non-finite losses or gradients "
-                                   f"(train.max_nonfinite_steps = {limit}; a stop on a count of the private batch, "
-                                   f"which the guarantee does not cover)")
+                                   f"(train.max_nonfinite_steps = {train_cfg.max_nonfinite_steps}; a stop on a "
+                                   f"count of the private batch, which the guarantee does not cover)")
         # A stop (signal, non-finite limit) logs no extra row: the open window is checkpointed,
         # so a resumed run logs exactly the rows of an uninterrupted one.
         last = run.step >= run.total_steps or result.done

@@ -237,7 +237,10 @@ class Contribution(ABC):
 
     def group_norms(self, groups: torch.Tensor, n_groups: int) -> torch.Tensor:
         """‖Σ_{i in g} c_i‖ for each group g (``groups``: the group 0..n_groups−1 of each row)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot clip groups of examples")
+        formed = self.grouped(groups, n_groups)
+        if formed is None:
+            raise NotImplementedError(f"{type(self).__name__} cannot clip groups of examples")
+        return formed.norms()
 
     def grouped(self, groups: torch.Tensor, n_groups: int) -> "Contribution | None":
         """The contribution whose rows are the groups' sums, formed once, so that the sum a group's
@@ -275,9 +278,6 @@ class DenseContribution(Contribution):
         return DenseAggregate({k: _mask_rows(g.to(acc_dtype(g.dtype)), weights).sum(0)
                                for k, g in self.per_example.items()})
 
-    def group_norms(self, groups, n_groups):
-        return self.grouped(groups, n_groups).norms()
-
     def grouped(self, groups, n_groups):
         sums = {}
         for k, g in self.per_example.items():
@@ -306,9 +306,6 @@ class DirectionContribution(Contribution):
     def weighted_sum(self, weights):
         v = _mask_rows(self.values.to(acc_dtype(self.values.dtype)), weights).sum()
         return DirectionAggregate(v, self.direction, self.names)
-
-    def group_norms(self, groups, n_groups):
-        return self.grouped(groups, n_groups).norms()
 
     def grouped(self, groups, n_groups):
         v = self.values.to(acc_dtype(self.values.dtype))
@@ -357,9 +354,6 @@ class VectorZOContribution(Contribution):
     def gather(self, comm):
         return replace(self, values=comm.gather_rows(self.values),
                        losses=comm.gather_rows(self.losses) if self.losses is not None else None)
-
-    def group_norms(self, groups, n_groups):
-        return self.grouped(groups, n_groups).norms()
 
     def grouped(self, groups, n_groups):
         v = self.values.to(acc_dtype(self.values.dtype))

@@ -317,6 +317,13 @@ def _log_ratio(spent: float, budget: float) -> float:
     return math.log(spent / budget)
 
 
+def _consistent(slack: float, fits: bool) -> float:
+    """A slack whose sign agrees with the exact fit decision (they can differ by rounding)."""
+    if (slack <= 0) == fits:
+        return slack
+    return -5e-324 if fits else 5e-324
+
+
 def solve_boundary(slack: Callable[[float], float], *, lo: float, hi: float, rtol: float,
                    guess: float = 1.0, known: Iterable[tuple[float, float]] = (),
                    slope: float = 1.0) -> float:

@@ -40,7 +40,7 @@ from pydantic import Field
 
 from dpregistry.errors import UserError
 from dpregistry.progress import say
-from dpregistry.privacy.accountant import (Accountant, _log_ratio, largest_extra, solve_boundary,
+from dpregistry.privacy.accountant import (Accountant, _consistent, _log_ratio, largest_extra, solve_boundary,
                                            total_fits)
 from dpregistry.privacy.conversions import epsilon_to_zcdp, gaussian_zcdp, zcdp_to_delta, zcdp_to_epsilon
 from dpregistry.privacy.events import (Composed, Exponential, Gaussian, NonPrivate, PoissonSampled,
@@ -327,13 +327,6 @@ def _rounding_hint(spent: float, budget: float) -> str:
         return (" — over by floating-point rounding only (the filters decide exactly); size the noise for a "
                 "slightly smaller cost, for example ρ·(1 − 1e-9) per step")
     return ""
-
-
-def _consistent(slack: float, fits: bool) -> float:
-    """A slack whose sign agrees with the exact fit decision (they can differ by rounding)."""
-    if (slack <= 0) == fits:
-        return slack
-    return -5e-324 if fits else 5e-324
 
 
 # ------------------------------------------------------------------------------------------

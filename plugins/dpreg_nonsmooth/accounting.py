@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dpregistry import Accountant, StageParams, UserError
+from dpregistry.privacy.accountant import _consistent, _log_ratio
 from dpregistry.privacy.conversions import epsilon_to_zcdp, gaussian_zcdp, zcdp_to_delta, zcdp_to_epsilon
 from dpregistry.privacy.events import Gaussian, NonPrivate, PrivacyEvent, TreeAggregation, ZCDP, leaves
 
@@ -140,10 +141,8 @@ class ZcdpFailAccountant(Accountant):
         totals = self._totals(groups)
         if any(g > 0 for _, g in totals):
             return math.inf
-        rho = max(r for r, _ in totals)
-        slack = math.log(rho / b.rho) if 0 < rho < math.inf else (-math.inf if rho == 0 else math.inf)
-        fits = self._fits(groups)  # exact, in rationals: the sign follows it where rounding differs
-        return slack if (slack <= 0) == fits else (-5e-324 if fits else 5e-324)
+        # the sign follows the exact decision (in rationals) where rounding differs
+        return _consistent(_log_ratio(max(r for r, _ in totals), b.rho), self._fits(groups))
 
     def rho(self) -> float:
         return max(r for r, _ in self._totals(self.ledger.grouped()))
