@@ -533,16 +533,61 @@ def _sq_bound(pieces: list[Piece]) -> torch.Tensor:
     rows that cancel leave rounding that the norm does not bound (a review: 1.36·C released at a
     clip of C). Real examples were never near that bound (err/sq ≤ 0.0023 on ViT and RoBERTa).
     The result is in the pieces' dtype, rounded from above the true value."""
+    return _sq_bound_flagged(pieces)[0]
+
+
+def _sq_bound_flagged(pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_sq_bound``, and the examples it recomputed in float64 (None if none)."""
     sq, err = _sq_of_sum(pieces)
     dtype = _piece_tensor(pieces[0]).dtype
     loose = ~(err * 64 <= sq)
+    idx = None
     if dtype != torch.float64 and bool(loose.any()):
         idx = loose.nonzero().squeeze(1)
         sq64, err64 = _sq_of_sum([_piece_rows64(p, idx.to(_piece_tensor(p).device)) for p in pieces])
         sq, err = sq.index_copy(0, idx, sq64), err.index_copy(0, idx, err64)
         for p in pieces:
             release_exactly(p, idx)
-    return (sq + 2 * err).to(dtype)
+    return (sq + 2 * err).to(dtype), idx
+
+
+def _flag_joint(pieces: dict[str, list[Piece]], calls) -> list[torch.Tensor]:
+    """The norms² of the parameters several calls reach (``pieces``: name -> their pieces), and
+    where some example's pieces cancel across calls (its norm recomputed in float64), set
+    ``use.joint`` for each of ``calls`` ((handler, local names, use)) that reaches one of them: the
+    examples' rows of every piece of the call in float64 (``_joint_shares``). Each call's pieces
+    are otherwise summed over the examples on their own, in fp32: there ±X would absorb the other
+    examples' rows, and their sums, added, would not release the 0 that was measured (0.98·C at
+    B = 256 in a search). Returns the norms² in the order of ``pieces``."""
+    flagged = [_sq_bound_flagged(ps) for ps in pieces.values()]
+    found = [i for _, i in flagged if i is not None]
+    if found:
+        idx = torch.unique(torch.cat([i.cpu() for i in found]))
+        for h, local, use in calls:
+            if any(local[k] in pieces for k in use.keys):
+                use.joint = (idx, {k: _piece_rows64(v, idx.to(_piece_tensor(v).device))
+                                   for k, v in h.pieces(use).items()})
+    return [sq for sq, _ in flagged]
+
+
+def _without_joint(w: torch.Tensor, use: "Use") -> torch.Tensor:
+    """The weights w with the call's ``joint`` examples at 0: their shares come from ``_joint_shares``."""
+    return w if use.joint is None else w.index_fill(0, use.joint[0].to(w.device), 0)
+
+
+def _joint_shares(h: "LayerHandler", use: "Use", w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The weighted sums of the call's ``joint`` examples alone, from their float64 rows, in float64
+    (added up over the calls before they are rounded, once; {} for a call without them)."""
+    if use.joint is None:
+        return {}
+    idx, rows = use.joint
+    return h.weighted(Use(use.module, None, keys=use.keys, state=rows), w[idx.to(w.device)].double())
+
+
+def _add_rounded(sums: dict[str, torch.Tensor], shares: dict[str, torch.Tensor]) -> None:
+    """Add the float64 ``shares`` (summed over calls) to the sums of their parameters, rounded once."""
+    for name, v in shares.items():
+        sums[name] = sums[name] + v.to(sums[name].dtype)
 
 
 def _exact_rows(state: dict[str, Piece]) -> dict[str, tuple[torch.Tensor, Piece]]:
@@ -608,6 +653,9 @@ class Use:
     #: how each parameter's per-example gradients were kept: "ghost" (factors; norms from Gram
     #: products), "per_example" (materialised), "rows" (an embedding's ids and backprops)
     plan: dict = field(default_factory=dict)
+    #: a call of a parameter that several calls reach, where some examples' pieces cancel across the
+    #: calls: (those examples, their rows of each piece in float64), released apart (``_flag_joint``)
+    joint: tuple | None = None
 
     def drop(self) -> None:
         """Forget the call's inputs, backprop and kept state (once its sum is formed)."""
@@ -1312,7 +1360,9 @@ class GradSampler:
             use.plan = {k: _piece_kind(v) for k, v in use.state.items()}
             use.sq = h.sq_norms(use)
             local = self._local[id(use.module)]
-            keep = {k for k in use.keys if local[k] in p.shared}
+            # a call of a parameter several calls reach keeps all its pieces, for the cross terms
+            # and the float64 rows of examples whose pieces cancel across the calls (``_flag_joint``)
+            keep = set(use.keys) if any(local[k] in p.shared for k in use.keys) else set()
             pieces = h.pieces(use)
             formed = _formed(pieces)  # kept and released as measured (see _SecondPass)
             use.exact = _exact_rows(pieces)
@@ -1327,10 +1377,10 @@ class GradSampler:
                 for k, (idx, rows) in use.exact.items():
                     if k in use.state:
                         _release_instead(use.state[k], idx, rows, p.weights[idx.to(p.weights.device)])
-                use.sums = h.weighted(use, p.mask)
+                use.sums = h.weighted(use, _without_joint(p.mask, use))
             if formed:
                 use.state = formed
-                use.sums.update(h.weighted(use, p.weights))
+                use.sums.update(h.weighted(use, _without_joint(p.weights, use)))
             use.drop()
 
     def _check_linear(self, use: Use, weights: torch.Tensor) -> None:
@@ -1737,21 +1787,28 @@ class _LayerClip:
     def _close(self, g: int) -> None:
         from .clipping import clip_weights
 
-        calls = self.arrived.pop(g)
         local = self.sampler._local
-        pieces = _pieces_by_parameter((h, local[id(use.module)], use) for use, h in calls)
-        sq = sum(_sq_bound(ps) for ps in pieces.values())
+        calls = [(h, local[id(use.module)], use) for use, h in self.arrived.pop(g)]
+        pieces = _pieces_by_parameter(calls)
+        shared = {name: ps for name, ps in pieces.items() if len(ps) > 1}
+        joint_sq = dict(zip(shared, _flag_joint(shared, calls))) if shared else {}
+        sq = sum(joint_sq[name] if name in joint_sq else _sq_bound(ps) for name, ps in pieces.items())
         norms = sq.sqrt()
         finite = self.finite.to(norms.device)
         ok = finite & torch.isfinite(norms)
         w = clip_weights(norms, self.clip, ok)
         self.clipped |= (ok & (norms > self.clip)).to(self.clipped.device)
         self.dropped |= (~ok).to(self.dropped.device)
-        del pieces
-        for use, h in calls:
-            for k, v in h.weighted(use, w).items():
-                _accumulate(self.sums, local[id(use.module)][k], v)
+        del pieces, shared
+        shares: dict[str, torch.Tensor] = {}
+        for h, names, use in calls:
+            for k, v in h.weighted(use, _without_joint(w, use)).items():
+                _accumulate(self.sums, names[k], v)
+            for k, v in _joint_shares(h, use, w).items():
+                _accumulate(shares, names[k], v)
+            use.joint = None
             use.drop()
+        _add_rounded(self.sums, shares)
 
 
 @dataclass
@@ -1916,12 +1973,14 @@ class HookContribution(DenseContribution):
             for u in uses:
                 for k, v in h.pieces(u).items():
                     by_parameter.setdefault(local[k], []).append((u, k, v))
-        sq = None
+        sq, cancelling = None, []
         # one parameter's regrouped copy at a time (memory of one layer, not all), but for the group
         # sums of formed rows, which are small and are what the weighted sum releases
         for calls in by_parameter.values():
             grouped = [regroup(v, groups, n_groups) for _, _, v in calls]
-            term = _sq_bound(grouped)
+            term, flagged = _sq_bound_flagged(grouped)
+            if flagged is not None and len(calls) > 1:
+                cancelling.append(flagged.cpu())
             for (u, k, v), gx in zip(calls, grouped):
                 if _kind(v) == 2:  # the members' rows formed (small): the group sums as measured
                     u.state[k] = _GroupSums(_dense(gx), groups)
@@ -1929,6 +1988,9 @@ class HookContribution(DenseContribution):
                     release_exactly(v, torch.isin(groups.to(gx.exact.device), gx.exact).nonzero().squeeze(1))
             sq = term if sq is None else sq + term
             del grouped
+        if cancelling:  # a group whose pieces of a shared parameter cancel across calls (``_flag_joint``)
+            self._release_groups_jointly(torch.unique(torch.cat(cancelling)), groups,
+                                         {name for name, calls in by_parameter.items() if len(calls) > 1})
         if sq is None:
             return torch.zeros(n_groups)
         if self.finite is not None:  # a group with a non-finite row has no finite norm
@@ -1936,6 +1998,23 @@ class HookContribution(DenseContribution):
                 0, groups.to(sq.device), (~self.finite.to(sq.device)).to(torch.float32))
             sq = torch.where(bad > 0, torch.full_like(sq, float("nan")), sq)
         return sq.sqrt()
+
+    def _release_groups_jointly(self, flagged: torch.Tensor, groups: torch.Tensor, shared: set) -> None:
+        """Set ``use.joint`` on the calls of the ``shared`` parameters: the members of the ``flagged``
+        groups, with their rows in float64 (their group sums as measured, for formed pieces)."""
+        members = torch.isin(groups.cpu(), flagged).nonzero().squeeze(1)
+
+        def rows64(x: Piece) -> Piece:
+            if not isinstance(x, _GroupSums):
+                return _piece_rows64(x, members.to(_piece_tensor(x).device))
+            dev = x.sums.device
+            slot = torch.searchsorted(flagged, groups.cpu()[members])
+            return _GroupSums(x.sums[flagged.to(dev)].double(), slot.to(dev))
+
+        for h, local, uses in self.records:
+            for u in uses:
+                if any(local[k] in shared for k in u.keys):
+                    u.joint = (members, {k: rows64(v) for k, v in h.pieces(u).items()})
 
     def norms(self):
         if self._sq is None:
@@ -1947,7 +2026,8 @@ class HookContribution(DenseContribution):
             # (the two-pass mode took each call's norms² in its first backward; same terms, same order)
             terms = [v for h, local, uses in self.records for u in uses
                      for k, v in (u.sq if u.sq is not None else h.sq_norms(u)).items() if local[k] not in shared]
-            terms += [_sq_bound(pieces) for pieces in shared.values()]
+            if shared:
+                terms += _flag_joint(shared, [(h, local, u) for h, local, uses in self.records for u in uses])
             sq = sum(terms[1:], terms[0]) if terms else \
                 torch.zeros(self.n, device=self.finite.device if self.finite is not None else None)
             if self.finite is not None:
@@ -1982,10 +2062,14 @@ class HookContribution(DenseContribution):
                 layers_of[name] = layers_of.get(name, 0) + 1
         out: dict[str, torch.Tensor] = {}
         shared: list[tuple[str, torch.Tensor]] = []  # terms of parameters several layers reach, last layer first
+        shares: dict[str, torch.Tensor] = {}
         for h, local, uses in reversed(self.records):
             terms = []
             for u in uses:
-                sums, u.sums = u.sums if u.sums is not None else h.weighted(u, weights), None
+                sums, u.sums = u.sums if u.sums is not None else h.weighted(u, _without_joint(weights, u)), None
+                for k, v in _joint_shares(h, u, weights).items():
+                    _accumulate(shares, local[k], v)
+                u.joint = None
                 u.drop()
                 for k, v in sums.items():
                     if layers_of[local[k]] > 1:
@@ -1995,4 +2079,5 @@ class HookContribution(DenseContribution):
             shared += terms[::-1]
         for name, v in reversed(shared):
             _accumulate(out, name, v)
+        _add_rounded(out, shares)
         return self._full(out)

@@ -284,3 +284,87 @@ def test_two_passes_release_a_cancelling_examples_share_from_the_first_backward(
             x[:, 0], x[0, d], x[1, d] = 1.0, a, 1.0 - a
             worst = max(worst, float((released(torch.cat([others, x[None]]), passes) - without).norm()))
         assert worst <= C, passes
+
+
+class CalledTwice(nn.Module):
+    """loss = s·(Σ lin(x) − Σ lin(z)) over T tokens each: with x = z the example's gradient is 0,
+    and each call's piece (weight and bias) is ±s·(...)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.d, self.lin = d, nn.Linear(d, d)
+
+    def forward(self, x):  # [B, 2, T, d + 1]: the two token sets, the scale in [:, 0, 0, d]
+        d = self.d
+        return x[:, 0, 0, d] * (self.lin(x[:, 0, :, :d]).sum((1, 2)) - self.lin(x[:, 1, :, :d]).sum((1, 2)))
+
+
+class TiedHead(nn.Module):
+    """An embedding tied to a head: loss = s·(⟨emb(i), a⟩ − head(a)[j]); the table's gradient is
+    s·e_i aᵀ from the lookup (rows) and −s·e_j aᵀ from the head (factors), which cancel for i = j."""
+
+    def __init__(self, vocab, d):
+        super().__init__()
+        self.d, self.emb, self.head = d, nn.Embedding(vocab, d), nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):  # [B, d + 3]: i, a, s, j
+        d = self.d
+        i, a, s, j = x[:, :1].long(), x[:, 1:d + 1], x[:, d + 1], x[:, d + 2:].long()
+        return s * ((self.emb(i)[:, 0] * a).sum(1) - self.head(a).gather(1, j)[:, 0])
+
+
+def _called_twice(d, T, s, g):
+    x = torch.zeros(2, T, d + 1)
+    x[0, :, :d] = x[1, :, :d] = torch.randn(T, d, generator=g)
+    x[0, 0, d] = s
+    return x
+
+
+def _tied(vocab, d, s, g, same=True):
+    i, j = torch.randint(vocab, (2,), generator=g).float()
+    return torch.cat([i[None], torch.randn(d, generator=g), torch.tensor([s]), (i if same else j)[None]])
+
+
+@pytest.mark.parametrize("mode", ["flat", "two passes", "per layer", "users"])
+@pytest.mark.parametrize("shape", ["called twice, formed", "called twice, factors", "tied head"])
+def test_pieces_of_a_shared_parameter_that_cancel_across_calls_release_what_was_measured(mode, shape):
+    """A parameter several calls reach has the sum of their pieces as per-example gradient, and its
+    norm (with cross terms, recomputed in float64 where they cancel) is right; but each call's
+    pieces were summed over the examples on their own, in fp32, so an example whose pieces are
+    ±w·X (w·X up to 10⁷·C: the clip weight of a norm that is 0 up to its float64 rounding bound)
+    absorbed the other examples' rows in both sums (0.98·C at B = 256 in a search, never 0). Such an
+    example's pieces are now added up in float64 across the calls: its release is the 0 measured.
+    s is a power of 2, so the lookup's backprop s·a is exact and the pieces cancel exactly. With
+    user-level clipping (users of two rows, the crafted one alone) it was 0.77·C."""
+    from dpregistry.clipping import clip_and_sum_per_layer
+    from dpregistry.persample import GradSampler, keeps_per_example
+
+    torch.manual_seed(0)
+    C, B, g = 1.0, 24, torch.Generator().manual_seed(4)
+    if shape == "tied head":
+        vocab, d = 10, 6
+        model, crafted = TiedHead(vocab, d).eval(), lambda s: _tied(vocab, d, s, g)
+        others = torch.stack([_tied(vocab, d, 0.5, g, same=False) for _ in range(B - 2)])
+    else:
+        d, T = (6, 3) if shape == "called twice, formed" else (16, 2)
+        assert keeps_per_example(T, d, d) == (shape == "called twice, formed")
+        model, crafted = CalledTwice(d).eval(), lambda s: _called_twice(d, T, s, g)
+        others = torch.randn(B - 2, 2, T, d + 1, generator=g) * 0.3
+    params = dict(model.named_parameters())
+
+    def released(x):
+        sampler = GradSampler(model, params, passes=2 if mode == "two passes" else 1)
+        with torch.enable_grad(), sampler.capture(x.shape[0]):
+            losses = model(x)
+        c = sampler.contribution(losses)
+        if mode == "users":
+            c.groups = torch.arange(x.shape[0]) // 2
+        out = (clip_and_sum_per_layer(c, C) if mode == "per layer" else clip_and_sum(c, C)).aggregate.tensors
+        return {k: v.double() for k, v in out.items()}
+
+    without, worst = released(others), 0.0
+    for e in range(12, 40, 3):
+        with_it = released(torch.cat([others, crafted(2.0 ** e)[None]]))
+        worst = max(worst, math.sqrt(sum(float((with_it[k] - without[k]).pow(2).sum()) for k in without)))
+    assert worst <= 1e-4 * C
