@@ -381,6 +381,13 @@ def _formed(state: dict[str, Piece]) -> dict[str, Piece]:
     return {k: v for k, v in state.items() if _kind(v) == 2}
 
 
+def _measured(h: "LayerHandler", state: dict[str, Piece]) -> dict[str, Piece]:
+    """The pieces of a call that the second of two passes releases as the first measured them:
+    those formed per example, and all those of a handler whose pieces the second backward does not
+    rebuild (``LayerHandler.second_pass_replays``)."""
+    return _formed(state) if h.second_pass_replays else dict(state)
+
+
 def _dense(x: Piece) -> torch.Tensor:
     return x.m if isinstance(x, Outer) else x
 
@@ -681,6 +688,13 @@ class LayerHandler:
     """
 
     types: tuple = ()
+    #: whether the second of two backward passes rebuilds this handler's pieces as the first's times
+    #: the clip weights, up to a rounding that the norms bound (a product of the backprop and the
+    #: input: fl(w·g) is w·g to a relative u). A handler whose pieces pass the backprop through
+    #: arithmetic of its own sets False: DP-GRAPE's projection, where fl(fl(w·g)·P) is not w·fl(g·P)
+    #: once g·P is mostly rounding (g near the null space of Pᵀ; a review: 22·C). Its first pieces
+    #: are then kept, and summed with the weights as measured.
+    second_pass_replays: bool = True
 
     def needs_input(self, keys: tuple) -> bool:
         """Whether the per-example gradients of ``keys`` (local names) need the layer's input; the
@@ -1207,6 +1221,12 @@ class GradSampler:
         check_forward_is_pure(model)
         if passes not in (1, 2):
             raise ValueError(f"passes must be 1 or 2, not {passes!r}")
+        low = sorted({str(p.dtype).removeprefix("torch.") for p in params.values()
+                      if p.is_floating_point() and p.element_size() < 4})
+        if passes == 2 and low:  # the norms bound fp32's rounding of the second backward, not this
+            raise UserError(f"passes: 2 needs a float32 model, not {low[0]}: the second backward rounds its "
+                            f"backprops in {low[0]}, which the first backward's norms do not bound (a review: "
+                            "1.10·C released at a clip of C); use passes: 1", key="estimator.passes")
         self.model = model
         self.params = params
         #: 1: book-keeping (one backward; each layer's compact state is kept until the sum);
@@ -1364,13 +1384,13 @@ class GradSampler:
             # and the float64 rows of examples whose pieces cancel across the calls (``_flag_joint``)
             keep = set(use.keys) if any(local[k] in p.shared for k in use.keys) else set()
             pieces = h.pieces(use)
-            formed = _formed(pieces)  # kept and released as measured (see _SecondPass)
+            formed = _measured(h, pieces)  # kept and released as measured (see _SecondPass)
             use.exact = _exact_rows(pieces)
             use.state = {k: v for k, v in pieces.items() if k in keep or k in formed}
             (use.args, use.kwargs), use.inp, use.g = kept, None, None
         else:
             self._check_linear(use, p.weights)
-            formed, use.state = _formed(use.state), {}
+            formed, use.state = _measured(h, use.state), {}
             use.sums = {}
             if set(use.keys) - set(formed):
                 h.on_backprop(use)
@@ -2034,10 +2054,10 @@ class HookContribution(DenseContribution):
                 sq = torch.where(self.finite, sq, torch.full_like(sq, float("nan")))
             self._sq = sq
             if self.second is not None:  # the pieces kept for cross terms are not needed any more
-                for _, _, uses in self.records:
+                for h, _, uses in self.records:
                     for u in uses:
                         u.exact.update(_exact_rows(u.state))  # those of shared parameters' norms
-                        u.sq, u.state = None, _formed(u.state)
+                        u.sq, u.state = None, _measured(h, u.state)
         return self._sq.sqrt()
 
     def weighted_sum(self, weights):
