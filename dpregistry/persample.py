@@ -1222,7 +1222,7 @@ class GradSampler:
         if passes not in (1, 2):
             raise ValueError(f"passes must be 1 or 2, not {passes!r}")
         low = sorted({str(p.dtype).removeprefix("torch.") for p in params.values()
-                      if p.is_floating_point() and p.element_size() < 4})
+                      if p.dtype.is_floating_point and p.dtype.itemsize < 4})  # (a lazy parameter has a dtype)
         if passes == 2 and low:  # the norms bound fp32's rounding of the second backward, not this
             raise UserError(f"passes: 2 needs a float32 model, not {low[0]}: the second backward rounds its "
                             f"backprops in {low[0]}, which the first backward's norms do not bound (a review: "
