@@ -82,6 +82,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import UserError
@@ -279,18 +280,23 @@ class Rows:
         return _sq_bound([self])
 
     def weighted(self, w: torch.Tensor) -> torch.Tensor:
-        gw = _scale_rows(self.g, w if self.exact is None else w.index_fill(0, self.exact.to(w.device), 0))
-        out = torch.zeros((self.num_rows, gw.shape[-1]), dtype=gw.dtype, device=gw.device)
-        out.index_add_(0, self.ids.reshape(-1), gw.reshape(-1, gw.shape[-1]))
-        if self.exact is not None:  # their rows summed in float64, on the rows they touch
+        """Σ_i w_i G_i, summed in float64 on the rows the batch touches and rounded once: an fp32
+        ``index_add_`` adds a row's tokens one by one, so a large running value (an example's ±w·X
+        whose pieces cancel, just under the float64 recompute) rounded away every later token on
+        that row (a review: 2.9·C with 256,000 tokens on one row)."""
+        d = self.g.shape[-1]
+        keep = w if self.exact is None else w.index_fill(0, self.exact.to(w.device), 0)
+        ids, rows = [self.ids.reshape(-1)], [_scale_rows(self.g.double(), keep.double()).reshape(-1, d)]
+        if self.exact is not None:  # their rows in float64 (two passes: the first backward's)
             i = self.exact.to(w.device)
-            ids, g = self.instead or (self.ids[i], self.g[i].double())
-            rows, slot = torch.unique(ids, return_inverse=True)
-            mine = _scale_rows(g, w[i].double())
-            part = torch.zeros((len(rows), gw.shape[-1]), dtype=torch.float64, device=gw.device)
-            part.index_add_(0, slot.reshape(-1), mine.reshape(-1, gw.shape[-1]))
-            out.index_add_(0, rows, part.to(out.dtype))
-        return out
+            xi, xg = self.instead or (self.ids[i], self.g[i].double())
+            ids.append(xi.reshape(-1))
+            rows.append(_scale_rows(xg, w[i].double()).reshape(-1, d))
+        touched, slot = torch.unique(torch.cat(ids), return_inverse=True)
+        part = torch.zeros((len(touched), d), dtype=torch.float64, device=self.g.device)
+        part.index_add_(0, slot, torch.cat(rows))
+        out = torch.zeros((self.num_rows, d), dtype=self.g.dtype, device=self.g.device)
+        return out.index_copy_(0, touched, part.to(out.dtype))
 
     def per_example(self) -> torch.Tensor:
         B, d = self.ids.shape[0], self.g.shape[-1]
@@ -690,11 +696,16 @@ class LayerHandler:
     types: tuple = ()
     #: whether the second of two backward passes rebuilds this handler's pieces as the first's times
     #: the clip weights, up to a rounding that the norms bound (a product of the backprop and the
-    #: input: fl(w·g) is w·g to a relative u). A handler whose pieces pass the backprop through
-    #: arithmetic of its own sets False: DP-GRAPE's projection, where fl(fl(w·g)·P) is not w·fl(g·P)
-    #: once g·P is mostly rounding (g near the null space of Pᵀ; a review: 22·C). Its first pieces
-    #: are then kept, and summed with the weights as measured.
-    second_pass_replays: bool = True
+    #: input: fl(w·g) is w·g to a relative u). Where it does not, the first pass's pieces are kept
+    #: and summed with the weights as measured. DP-GRAPE's projection does not: fl(fl(w·g)·P) is not
+    #: w·fl(g·P) once g·P is mostly rounding (g near the null space of Pᵀ; a review: 22·C). False
+    #: unless a class declares it: a subclass does not inherit it (``__init_subclass__``), since one
+    #: that changes the arithmetic must not replay by accident.
+    second_pass_replays: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.second_pass_replays = cls.__dict__.get("second_pass_replays", False)
 
     def needs_input(self, keys: tuple) -> bool:
         """Whether the per-example gradients of ``keys`` (local names) need the layer's input; the
@@ -765,6 +776,7 @@ class _ProductHandler(LayerHandler):
 
 class LinearHandler(_ProductHandler):
     types = (nn.Linear,)
+    second_pass_replays = True
 
     def activations(self, use):
         return _flat3(use.inp)
@@ -774,6 +786,7 @@ class ConvHandler(_ProductHandler):
     """Conv1d/Conv2d through unfold: the layer is a linear map on patches."""
 
     types = (nn.Conv1d, nn.Conv2d)
+    second_pass_replays = True
 
     def activations(self, use):
         m = use.module
@@ -792,6 +805,7 @@ class ConvHandler(_ProductHandler):
 
 class EmbeddingHandler(LayerHandler):
     types = (nn.Embedding,)
+    second_pass_replays = True
 
     def on_backprop(self, use):
         ids = use.inp.reshape(use.inp.shape[0], -1)
@@ -1175,6 +1189,31 @@ class _SegmentWatch(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _refuse_below_float32(dtypes) -> None:
+    """The two-pass mode's norms bound fp32's rounding of the second backward; one that rounds in
+    bf16 or fp16 releases more than C (a review: 1.10·C)."""
+    low = sorted({str(d).removeprefix("torch.") for d in dtypes if d.is_floating_point and d.itemsize < 4})
+    if low:
+        raise UserError(f"passes: 2 needs a float32 model: this one differentiates {low[0]} tensors (its parameters, "
+                        "autocast, a cast or a lower-precision layer), so the second backward rounds in a precision "
+                        "that the first backward's norms do not bound; use passes: 1", key="estimator.passes")
+
+
+class _PrecisionWatch(TorchFunctionMode):
+    """Records the dtypes of the tensors a forward makes that autograd will differentiate through."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                self.dtypes.add(t.dtype)
+        return out
+
+
 def _ignore(g, inp) -> None:
     """The tap of a recomputed call (see ``GradSampler._hook``): its backward never runs."""
 
@@ -1221,12 +1260,8 @@ class GradSampler:
         check_forward_is_pure(model)
         if passes not in (1, 2):
             raise ValueError(f"passes must be 1 or 2, not {passes!r}")
-        low = sorted({str(p.dtype).removeprefix("torch.") for p in params.values()
-                      if p.dtype.is_floating_point and p.dtype.itemsize < 4})  # (a lazy parameter has a dtype)
-        if passes == 2 and low:  # the norms bound fp32's rounding of the second backward, not this
-            raise UserError(f"passes: 2 needs a float32 model, not {low[0]}: the second backward rounds its "
-                            f"backprops in {low[0]}, which the first backward's norms do not bound (a review: "
-                            "1.10·C released at a clip of C); use passes: 1", key="estimator.passes")
+        if passes == 2:  # (a lazy parameter has a dtype, not an element size)
+            _refuse_below_float32(p.dtype for p in params.values())
         self.model = model
         self.params = params
         #: 1: book-keeping (one backward; each layer's compact state is kept until the sum);
@@ -1579,9 +1614,12 @@ class GradSampler:
         if n == 0:
             return
         device = next(iter(self.params.values())).device
+        watch = _PrecisionWatch()
         with _random_state_kept(device):
-            with torch.enable_grad(), self.capture(n):
+            with torch.enable_grad(), self.capture(n), watch if self.passes == 2 else nullcontext():
                 losses = losses_of(torch.arange(n))
+            if self.passes == 2:  # autocast, a cast, a frozen bf16 layer: the parameters do not show them
+                _refuse_below_float32(watch.dtypes)
             self.contribution(losses).backward()
         # the layout check sees backprops only: a layer that mixes examples before the first
         # hooked layer (batch statistics, say) would pass it

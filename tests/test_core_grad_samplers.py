@@ -368,3 +368,100 @@ def test_pieces_of_a_shared_parameter_that_cancel_across_calls_release_what_was_
         with_it = released(torch.cat([others, crafted(2.0 ** e)[None]]))
         worst = max(worst, math.sqrt(sum(float((with_it[k] - without[k]).pow(2).sum()) for k in without)))
     assert worst <= 1e-4 * C
+
+
+@pytest.mark.parametrize("mode", ["flat", "two passes", "per layer", "users"])
+def test_a_large_running_value_on_an_embedding_row_does_not_absorb_the_other_examples(mode):
+    """An embedding called twice; the first example's pieces cancel across the calls by a factor of
+    100 (+X·a, then −X·a + e), under the float64 recompute's threshold, so its ±w·X (about 100·C)
+    stays in the fp32 sums. ``index_add_`` added each row's tokens one by one after it, and 64,000
+    tokens of the other examples on that row, each under half an ulp of 100·C, were all rounded
+    away: 1.47·C released at a clip of C (a review; 2.9·C with 256,000). The rows are now summed in
+    float64 and rounded once."""
+    from dpregistry.clipping import clip_and_sum_per_layer
+    from dpregistry.persample import GradSampler
+
+    N, T, X, C, j = 1000, 64, 100.0, 1.0, 1
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(4, 1), nn.Linear(1, 1)  # the head: a second layer group
+
+        def forward(self, x):  # [B, T, 4]: ids of the two calls, their weights
+            return ((self.emb(x[..., 0].long())[..., 0] * x[..., 2]).sum(1)
+                    + (self.emb(x[..., 1].long())[..., 0] * x[..., 3]).sum(1) + 0 * self.head(x[:, :1, 2]).sum(1))
+
+    model = Twice().eval()
+    params = dict(model.named_parameters())
+    others = torch.zeros(N, T, 4)
+    others[..., :2] = j
+    others[..., 2:] = -0.97 * 2.0 ** (math.floor(math.log2(X)) - 24)  # under half an ulp of X
+    crafted = torch.zeros(1, T, 4)
+    crafted[0, 0, :2] = j
+    crafted[0, 0, 2], crafted[0, 0, 3] = X, -X + 1.0
+
+    def released(x):
+        sampler = GradSampler(model, params, passes=2 if mode == "two passes" else 1)
+        with torch.enable_grad(), sampler.capture(x.shape[0]):
+            losses = model(x)
+        c = sampler.contribution(losses)
+        if mode == "users":
+            c.groups = torch.arange(x.shape[0])
+        out = (clip_and_sum_per_layer(c, C) if mode == "per layer" else clip_and_sum(c, C)).aggregate.tensors
+        return {k: v.double() for k, v in out.items()}
+
+    without, with_it = released(others), released(torch.cat([crafted, others]))
+    assert math.sqrt(sum(float((with_it[k] - without[k]).pow(2).sum()) for k in without)) <= C * (1 + 1e-5)
+
+
+def test_only_the_built_in_product_handlers_replay_in_a_second_pass():
+    """A second backward rebuilds a handler's pieces from the reweighted backprop; that is w times the
+    first pass's only for arithmetic known to be a plain product. A subclass that changes it (a
+    projection in ``weight_product``: 22·C in a review) must not inherit the claim."""
+    from dpregistry.persample import ConvHandler, EmbeddingHandler, LayerNormHandler
+
+    class Sketched(LinearHandler):
+        def weight_product(self, use, a, g):
+            return super().weight_product(use, a, g)
+
+    assert LinearHandler.second_pass_replays and ConvHandler.second_pass_replays
+    assert EmbeddingHandler.second_pass_replays
+    assert not any(h.second_pass_replays for h in (Sketched, ScaleHandler, LayerNormHandler, LayerHandler))
+
+
+class Narrowed(nn.Module):
+    """fp32 parameters; the forward differentiates bf16 tensors in one of three ways."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.lin, self.frozen = how, nn.Linear(4, 3), nn.Linear(3, 3).to(torch.bfloat16)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        x = x.float()
+        if self.how == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.lin(x).float()
+        h = self.lin(x)
+        if self.how == "cast":
+            return h.to(torch.bfloat16).float()
+        return self.frozen(h.to(torch.bfloat16)).float()
+
+
+@pytest.mark.parametrize("how", ["autocast", "cast", "frozen bf16 layer"])
+def test_two_passes_refuse_a_forward_that_differentiates_bf16(how):
+    """The trainable parameters are fp32 (so the parameters' dtype check passes), but the second
+    backward would round in bf16 (a review: 1.09·C through a cast, and the linearity check let
+    fp16's rounding through): the setup check watches the tensors a forward differentiates."""
+    model = Narrowed(how)
+    obj = Data(model)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    for passes in (1, 2):
+        ctx = Context.detached(params, n_train=obj.n_train, provides={Objective: obj})
+        est = PerExampleGrad(PerExampleGrad.Params(backend="hooks", passes=passes))
+        if passes == 1:
+            est.setup(ctx)
+        else:
+            with pytest.raises(UserError, match="passes: 2 needs a float32 model: this one differentiates bfloat16"):
+                est.setup(ctx)

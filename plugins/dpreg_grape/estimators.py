@@ -62,9 +62,8 @@ class ProjectedHookContribution(HookContribution):
 
 
 class ProjectedLinearHandler(LinearHandler):
-    """A Linear layer whose weight gradient is kept only in projected form."""
-
-    second_pass_replays = False  # a projection rounds anew: passes: 2 keeps the first pass's pieces
+    """A Linear layer whose weight gradient is kept only in projected form (a second backward would
+    project anew: ``second_pass_replays`` is not declared, so two passes keep the first's pieces)."""
 
     def __init__(self, estimator: "ProjectedPerExampleGrad", name: str):
         self.estimator = estimator
@@ -91,8 +90,6 @@ class ProjectedEmbeddingHandler(EmbeddingHandler):
     * left  (V ≤ H):                  R_i = Pᵀ G_i = Σ_t P[ids_it]ᵀ g_it                   [r × H]
 
     and the update's moments are V·r (or r·H) numbers instead of V·H."""
-
-    second_pass_replays = False
 
     def __init__(self, estimator: "ProjectedPerExampleGrad", name: str):
         self.estimator = estimator
