@@ -31,7 +31,13 @@ def _close(got, want) -> bool:
     return got == want
 
 
-@pytest.mark.parametrize("name", sorted(fp.RECIPES))
+#: the recipes that load a transformer (20-46 s each on 2 cores) run with the long tests (-m slow)
+HEAVY = {"minilm_sst2_dp_adam", "minilm_sst2_dpgrape", "minilm_sst2_dpzero", "minilm_sst2_user_dp_adam",
+         "vit-base_cifar10_dpgrape"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n
+                                  for n in sorted(fp.RECIPES)])
 def test_fingerprint_is_unchanged(name):
     want, got = RECORD["recipes"][name], fp.fingerprint(name)
     assert got["step"] == want["step"]

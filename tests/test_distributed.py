@@ -23,6 +23,9 @@ from safetensors.torch import load_file
 from conftest import rewind
 from dpregistry import checkpoint as ckpt
 
+#: processes started, killed and resumed: with the long tests (-m slow), which .ci/run runs
+pytestmark = pytest.mark.slow
+
 ZO = """\
 algorithm: standard
 seed: 1

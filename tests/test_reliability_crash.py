@@ -24,6 +24,9 @@ from safetensors.torch import load_file
 import crashkit
 from dpregistry import checkpoint as ckpt
 
+#: processes started, killed and resumed: with the long tests (-m slow), which .ci/run runs
+pytestmark = pytest.mark.slow
+
 KILLS = int(os.environ.get("DPREG_KILLS", "3"))
 
 # First order (DP-Adam, Adam moments in the checkpoint) with a model of ~300k parameters, so a
