@@ -812,7 +812,7 @@ class EmbeddingHandler(LayerHandler):
         g = _flat3(use.g).to(acc_dtype(use.g.dtype))
         pad = use.module.padding_idx
         if pad is not None:  # torch gives the padding row no gradient
-            g = g * (ids != pad).unsqueeze(-1).to(g.dtype)
+            g = torch.where((ids != pad).unsqueeze(-1), g, torch.zeros((), dtype=g.dtype, device=g.device))
         use.state, use.inp, use.g = {"weight": Rows(ids, g, use.module.num_embeddings)}, None, None
 
 
@@ -1195,12 +1195,18 @@ def _refuse_below_float32(dtypes) -> None:
     low = sorted({str(d).removeprefix("torch.") for d in dtypes if d.is_floating_point and d.itemsize < 4})
     if low:
         raise UserError(f"passes: 2 needs a float32 model: this one differentiates {low[0]} tensors (its parameters, "
-                        "autocast, a cast or a lower-precision layer), so the second backward rounds in a precision "
-                        "that the first backward's norms do not bound; use passes: 1", key="estimator.passes")
+                        "autocast, a cast, a lower-precision layer, or a hook or custom autograd Function that casts "
+                        "the gradient), so the second backward rounds in a precision that the first backward's norms "
+                        "do not bound; use passes: 1", key="estimator.passes")
 
 
-class _PrecisionWatch(TorchFunctionMode):
-    """Records the dtypes of the tensors a forward makes that autograd will differentiate through."""
+def _dtypes_of(out, grad_only: bool) -> set:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return {t.dtype for t in outs if isinstance(t, torch.Tensor) and (t.requires_grad or not grad_only)}
+
+
+class _ForwardDtypes(TorchFunctionMode):
+    """The dtypes of the tensors a forward makes that autograd will differentiate through."""
 
     def __init__(self):
         super().__init__()
@@ -1208,9 +1214,21 @@ class _PrecisionWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                self.dtypes.add(t.dtype)
+        self.dtypes |= _dtypes_of(out, grad_only=True)
+        return out
+
+
+class _BackwardDtypes(TorchDispatchMode):
+    """The dtypes of the tensors a backward's ops make (a custom Function's backward or a hook that
+    casts the gradient, which the forward does not show)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.dtypes |= _dtypes_of(out, grad_only=False)
         return out
 
 
@@ -1614,13 +1632,16 @@ class GradSampler:
         if n == 0:
             return
         device = next(iter(self.params.values())).device
-        watch = _PrecisionWatch()
+        # two passes: a forward or backward in bf16 (autocast, a cast, a frozen bf16 layer, a hook or a
+        # custom Function that casts the gradient), which the parameters' dtypes do not show
+        forward, backward = (_ForwardDtypes(), _BackwardDtypes()) if self.passes == 2 else (nullcontext(), nullcontext())
         with _random_state_kept(device):
-            with torch.enable_grad(), self.capture(n), watch if self.passes == 2 else nullcontext():
+            with torch.enable_grad(), self.capture(n), forward:
                 losses = losses_of(torch.arange(n))
-            if self.passes == 2:  # autocast, a cast, a frozen bf16 layer: the parameters do not show them
-                _refuse_below_float32(watch.dtypes)
-            self.contribution(losses).backward()
+            with backward:
+                self.contribution(losses).backward()
+        if self.passes == 2:
+            _refuse_below_float32(forward.dtypes | backward.dtypes)
         # the layout check sees backprops only: a layer that mixes examples before the first
         # hooked layer (batch statistics, say) would pass it
         dtype = working_dtype(self.params.values())
@@ -1813,6 +1834,32 @@ def _accumulate(sums: dict[str, torch.Tensor], name: str, v: torch.Tensor) -> No
     sums[name] = sums[name] + v if name in sums else v
 
 
+def _calls_of(records) -> Counter:
+    """How many calls reach each parameter, over ``records`` ((handler, local names, calls))."""
+    return Counter(name for _, local, uses in records for name in set(local.values()) for _ in uses)
+
+
+class _CallSums(dict):
+    """Each parameter's sum over the calls that reach it. Past two calls the calls' sums are added in
+    float64 and rounded once (``rounded``): added one by one in fp32, a running ±w·X (an example
+    whose pieces cancel across the calls, under the float64 recompute) rounded every later call's
+    sum of the other examples away (a review: 1.03·C with a cell called 10,000 times). Two calls'
+    sum is one rounding either way."""
+
+    def __init__(self, calls: Counter):
+        super().__init__()
+        self.calls, self.dtypes = calls, {}
+
+    def add(self, name: str, v: torch.Tensor) -> None:
+        if self.calls[name] > 2:
+            self.dtypes.setdefault(name, v.dtype)
+            v = v.double()
+        _accumulate(self, name, v)
+
+    def rounded(self) -> dict[str, torch.Tensor]:
+        return {name: v.to(self.dtypes.get(name, v.dtype)) for name, v in self.items()}
+
+
 class _LayerClip:
     """Per-layer clipping inside the backward (McMahan et al. 2018, §3; He et al. 2022, "group-wise
     clipping"): each group's per-example gradient is clipped to C_g = C/√G when its last call's
@@ -1826,7 +1873,7 @@ class _LayerClip:
         self.clip = clip / sampler.n_clip_groups ** 0.5
         self.expected = Counter(sampler._group_of[id(u.module)] for u in uses)
         self.arrived: dict[int, list] = {}
-        self.sums: dict[str, torch.Tensor] = {}
+        self.sums = _CallSums(Counter(sampler._local[id(u.module)][k] for u in uses for k in u.keys))
         self.clipped = torch.zeros_like(finite)
         self.dropped = ~finite
 
@@ -1861,7 +1908,7 @@ class _LayerClip:
         shares: dict[str, torch.Tensor] = {}
         for h, names, use in calls:
             for k, v in h.weighted(use, _without_joint(w, use)).items():
-                _accumulate(self.sums, names[k], v)
+                self.sums.add(names[k], v)
             for k, v in _joint_shares(h, use, w).items():
                 _accumulate(shares, names[k], v)
             use.joint = None
@@ -1987,7 +2034,7 @@ class HookContribution(DenseContribution):
         else:
             layer_clip = _LayerClip(self.pending.sampler, self.pending.uses, clip, finite)
             self._run_backward(layer_clip)
-            clipped, dropped, sums = layer_clip.clipped, layer_clip.dropped, layer_clip.sums
+            clipped, dropped, sums = layer_clip.clipped, layer_clip.dropped, layer_clip.sums.rounded()
         return self._full(sums), clipped, dropped
 
     def _zero(self, name: str, p: torch.Tensor) -> torch.Tensor:
@@ -2003,10 +2050,7 @@ class HookContribution(DenseContribution):
 
     def _pieces_of_shared(self) -> dict[str, list[Piece]]:
         """The pieces of each parameter reached by several calls (a layer called twice, a tied weight)."""
-        count: dict[str, int] = {}
-        for h, local, uses in self.records:
-            for name in local.values():
-                count[name] = count.get(name, 0) + len(uses)
+        count = _calls_of(self.records)
         out: dict[str, list[Piece]] = {}
         for h, local, uses in self.records:
             if any(count[name] > 1 for name in local.values()):
@@ -2118,7 +2162,7 @@ class HookContribution(DenseContribution):
         for _, local, _ in self.records:
             for name in set(local.values()):
                 layers_of[name] = layers_of.get(name, 0) + 1
-        out: dict[str, torch.Tensor] = {}
+        out = _CallSums(_calls_of(self.records))
         shared: list[tuple[str, torch.Tensor]] = []  # terms of parameters several layers reach, last layer first
         shares: dict[str, torch.Tensor] = {}
         for h, local, uses in reversed(self.records):
@@ -2133,9 +2177,9 @@ class HookContribution(DenseContribution):
                     if layers_of[local[k]] > 1:
                         terms.append((local[k], v))
                     else:
-                        _accumulate(out, local[k], v)
+                        out.add(local[k], v)
             shared += terms[::-1]
         for name, v in reversed(shared):
-            _accumulate(out, name, v)
+            out.add(name, v)
         _add_rounded(out, shares)
-        return self._full(out)
+        return self._full(out.rounded())

@@ -286,6 +286,25 @@ def test_two_passes_release_a_cancelling_examples_share_from_the_first_backward(
         assert worst <= C, passes
 
 
+def _released(model, x, mode, C, users):
+    """The clipped sum of the batch x in float64: "flat", "two passes", "per layer" or "users"."""
+    from dpregistry.clipping import clip_and_sum_per_layer
+    from dpregistry.persample import GradSampler
+
+    sampler = GradSampler(model, dict(model.named_parameters()), passes=2 if mode == "two passes" else 1)
+    with torch.enable_grad(), sampler.capture(x.shape[0]):
+        losses = model(x)
+    c = sampler.contribution(losses)
+    if mode == "users":
+        c.groups = users
+    out = (clip_and_sum_per_layer(c, C) if mode == "per layer" else clip_and_sum(c, C)).aggregate.tensors
+    return {k: v.double() for k, v in out.items()}
+
+
+def _distance(a, b) -> float:
+    return math.sqrt(sum(float((a[k] - b[k]).pow(2).sum()) for k in b))
+
+
 class CalledTwice(nn.Module):
     """loss = s·(Σ lin(x) − Σ lin(z)) over T tokens each: with x = z the example's gradient is 0,
     and each call's piece (weight and bias) is ±s·(...)."""
@@ -337,8 +356,7 @@ def test_pieces_of_a_shared_parameter_that_cancel_across_calls_release_what_was_
     example's pieces are now added up in float64 across the calls: its release is the 0 measured.
     s is a power of 2, so the lookup's backprop s·a is exact and the pieces cancel exactly. With
     user-level clipping (users of two rows, the crafted one alone) it was 0.77·C."""
-    from dpregistry.clipping import clip_and_sum_per_layer
-    from dpregistry.persample import GradSampler, keeps_per_example
+    from dpregistry.persample import keeps_per_example
 
     torch.manual_seed(0)
     C, B, g = 1.0, 24, torch.Generator().manual_seed(4)
@@ -351,22 +369,12 @@ def test_pieces_of_a_shared_parameter_that_cancel_across_calls_release_what_was_
         assert keeps_per_example(T, d, d) == (shape == "called twice, formed")
         model, crafted = CalledTwice(d).eval(), lambda s: _called_twice(d, T, s, g)
         others = torch.randn(B - 2, 2, T, d + 1, generator=g) * 0.3
-    params = dict(model.named_parameters())
 
     def released(x):
-        sampler = GradSampler(model, params, passes=2 if mode == "two passes" else 1)
-        with torch.enable_grad(), sampler.capture(x.shape[0]):
-            losses = model(x)
-        c = sampler.contribution(losses)
-        if mode == "users":
-            c.groups = torch.arange(x.shape[0]) // 2
-        out = (clip_and_sum_per_layer(c, C) if mode == "per layer" else clip_and_sum(c, C)).aggregate.tensors
-        return {k: v.double() for k, v in out.items()}
+        return _released(model, x, mode, C, users=torch.arange(x.shape[0]) // 2)
 
-    without, worst = released(others), 0.0
-    for e in range(12, 40, 3):
-        with_it = released(torch.cat([others, crafted(2.0 ** e)[None]]))
-        worst = max(worst, math.sqrt(sum(float((with_it[k] - without[k]).pow(2).sum()) for k in without)))
+    without = released(others)
+    worst = max(_distance(released(torch.cat([others, crafted(2.0 ** e)[None]])), without) for e in range(12, 40, 3))
     assert worst <= 1e-4 * C
 
 
@@ -378,9 +386,6 @@ def test_a_large_running_value_on_an_embedding_row_does_not_absorb_the_other_exa
     tokens of the other examples on that row, each under half an ulp of 100·C, were all rounded
     away: 1.47·C released at a clip of C (a review; 2.9·C with 256,000). The rows are now summed in
     float64 and rounded once."""
-    from dpregistry.clipping import clip_and_sum_per_layer
-    from dpregistry.persample import GradSampler
-
     N, T, X, C, j = 1000, 64, 100.0, 1.0, 1
 
     class Twice(nn.Module):
@@ -393,7 +398,6 @@ def test_a_large_running_value_on_an_embedding_row_does_not_absorb_the_other_exa
                     + (self.emb(x[..., 1].long())[..., 0] * x[..., 3]).sum(1) + 0 * self.head(x[:, :1, 2]).sum(1))
 
     model = Twice().eval()
-    params = dict(model.named_parameters())
     others = torch.zeros(N, T, 4)
     others[..., :2] = j
     others[..., 2:] = -0.97 * 2.0 ** (math.floor(math.log2(X)) - 24)  # under half an ulp of X
@@ -402,17 +406,9 @@ def test_a_large_running_value_on_an_embedding_row_does_not_absorb_the_other_exa
     crafted[0, 0, 2], crafted[0, 0, 3] = X, -X + 1.0
 
     def released(x):
-        sampler = GradSampler(model, params, passes=2 if mode == "two passes" else 1)
-        with torch.enable_grad(), sampler.capture(x.shape[0]):
-            losses = model(x)
-        c = sampler.contribution(losses)
-        if mode == "users":
-            c.groups = torch.arange(x.shape[0])
-        out = (clip_and_sum_per_layer(c, C) if mode == "per layer" else clip_and_sum(c, C)).aggregate.tensors
-        return {k: v.double() for k, v in out.items()}
+        return _released(model, x, mode, C, users=torch.arange(x.shape[0]))
 
-    without, with_it = released(others), released(torch.cat([crafted, others]))
-    assert math.sqrt(sum(float((with_it[k] - without[k]).pow(2).sum()) for k in without)) <= C * (1 + 1e-5)
+    assert _distance(released(torch.cat([crafted, others])), released(others)) <= C * (1 + 1e-5)
 
 
 def test_only_the_built_in_product_handlers_replay_in_a_second_pass():
@@ -430,8 +426,20 @@ def test_only_the_built_in_product_handlers_replay_in_a_second_pass():
     assert not any(h.second_pass_replays for h in (Sketched, ScaleHandler, LayerNormHandler, LayerHandler))
 
 
+class _Bf16Gradient(torch.autograd.Function):
+    """The identity, whose backward rounds the gradient to bf16 (a memory-saving custom op, say)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(torch.bfloat16).to(g.dtype)
+
+
 class Narrowed(nn.Module):
-    """fp32 parameters; the forward differentiates bf16 tensors in one of three ways."""
+    """fp32 parameters; the forward or the backward handles bf16 tensors in one of five ways."""
 
     def __init__(self, how):
         super().__init__()
@@ -446,14 +454,21 @@ class Narrowed(nn.Module):
         h = self.lin(x)
         if self.how == "cast":
             return h.to(torch.bfloat16).float()
+        if self.how == "custom Function":
+            return _Bf16Gradient.apply(h)
+        if self.how == "gradient hook":
+            if h.requires_grad:
+                h.register_hook(lambda g: g.to(torch.bfloat16).to(g.dtype))
+            return h * 1.0
         return self.frozen(h.to(torch.bfloat16)).float()
 
 
-@pytest.mark.parametrize("how", ["autocast", "cast", "frozen bf16 layer"])
-def test_two_passes_refuse_a_forward_that_differentiates_bf16(how):
+@pytest.mark.parametrize("how", ["autocast", "cast", "frozen bf16 layer", "custom Function", "gradient hook"])
+def test_two_passes_refuse_a_model_that_rounds_in_bf16(how):
     """The trainable parameters are fp32 (so the parameters' dtype check passes), but the second
-    backward would round in bf16 (a review: 1.09·C through a cast, and the linearity check let
-    fp16's rounding through): the setup check watches the tensors a forward differentiates."""
+    backward would round in bf16 (reviews: 1.09·C through a cast, a custom Function or a gradient
+    hook; the linearity check lets fp16's rounding through): the setup's probe watches the dtypes
+    that its forward differentiates and that its backward makes."""
     model = Narrowed(how)
     obj = Data(model)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -465,3 +480,58 @@ def test_two_passes_refuse_a_forward_that_differentiates_bf16(how):
         else:
             with pytest.raises(UserError, match="passes: 2 needs a float32 model: this one differentiates bfloat16"):
                 est.setup(ctx)
+
+
+@pytest.mark.parametrize("mode", ["flat", "two passes", "per layer"])
+def test_the_sums_of_a_cell_called_many_times_are_added_up_once(mode):
+    """A Linear(1, 1) cell called K times (an unrolled RNN): the crafted example's pieces are +X in
+    the first call and −X + 1 in the last (under the float64 recompute), 0 between; the other
+    example's are −δ in every call, δ under half an ulp of w·X. The calls' sums were added one by
+    one in fp32, so after the first each middle call's −δ was rounded away: the release moved by
+    K·δ more than the crafted example's own share (1.03·C at K = 10,000 in a review). Past two
+    calls they are now added in float64 and rounded once."""
+    K, X, C = 1000, 66.0, 1.0
+
+    class Cell(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False)
+            with torch.no_grad():
+                self.lin.weight.fill_(1.0)
+                self.head.weight.zero_()
+
+        def forward(self, x):  # [B, K, 2]: each step's input and the weight of its output
+            out = 0 * self.head(x[:, 0, :1])[:, 0]
+            for k in range(x.shape[1]):
+                out = out + self.lin(x[:, k, :1])[:, 0] * x[:, k, 1]
+            return out
+
+    model = Cell().eval()
+    crafted = torch.zeros(1, K, 2)
+    crafted[..., 0] = 1
+    crafted[0, 0, 1], crafted[0, K - 1, 1] = X, -X + 1.0
+    alone = _released(model, crafted, mode, C, users=None)
+    w = float(alone["lin.weight"].sum())  # the crafted example's share, w·1
+    other = torch.zeros(1, K, 2)
+    other[..., 0] = 1
+    other[..., 1] = -0.97 * 2.0 ** (math.floor(math.log2(w * X)) - 24)
+    moved = _distance(_released(model, torch.cat([crafted, other]), mode, C, users=None),
+                      _released(model, other, mode, C, users=None))
+    assert abs(moved - _distance(alone, {k: torch.zeros_like(v) for k, v in alone.items()})) <= 1e-4 * C
+
+
+def test_a_nan_backprop_at_a_padding_token_keeps_the_example():
+    """‖emb(id)‖ at the padding row's zero vector has an infinite derivative, so the backprop there
+    is NaN through a finite loss; torch gives the padding row no gradient, and the example's
+    gradient is finite. The mask multiplied (NaN·0 = NaN), which dropped the whole example."""
+    from dpregistry.persample import GradSampler
+
+    emb = nn.Embedding(5, 3, padding_idx=0)
+    ids = torch.tensor([[1, 2, 0], [3, 0, 0]])
+    sampler = GradSampler(emb, dict(emb.named_parameters()))
+    with torch.enable_grad(), sampler.capture(2):
+        losses = emb(ids).pow(2).sum(-1).sqrt().sum(1)
+    norms = sampler.contribution(losses).norms()
+    want = torch.stack([torch.autograd.grad(emb(ids[i:i + 1]).pow(2).sum(-1).sqrt().sum(), emb.weight)[0].norm()
+                        for i in range(2)])
+    torch.testing.assert_close(norms, want, rtol=1e-5, atol=0)
