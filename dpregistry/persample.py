@@ -1200,36 +1200,33 @@ def _refuse_below_float32(dtypes) -> None:
                         "do not bound; use passes: 1", key="estimator.passes")
 
 
-def _dtypes_of(out, grad_only: bool) -> set:
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    return {t.dtype for t in outs if isinstance(t, torch.Tensor) and (t.requires_grad or not grad_only)}
-
-
-class _ForwardDtypes(TorchFunctionMode):
-    """The dtypes of the tensors a forward makes that autograd will differentiate through."""
+class _Dtypes:
+    """Records the dtypes of the tensors that the ops run under it make (as a torch mode)."""
 
     def __init__(self):
         super().__init__()
         self.dtypes: set[torch.dtype] = set()
+
+    def _record(self, func, args, kwargs, grad_only: bool):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        self.dtypes |= {t.dtype for t in outs if isinstance(t, torch.Tensor) and (t.requires_grad or not grad_only)}
+        return out
+
+
+class _ForwardDtypes(_Dtypes, TorchFunctionMode):
+    """Those of a forward's tensors that autograd will differentiate through."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.dtypes |= _dtypes_of(out, grad_only=True)
-        return out
+        return self._record(func, args, kwargs, grad_only=True)
 
 
-class _BackwardDtypes(TorchDispatchMode):
-    """The dtypes of the tensors a backward's ops make (a custom Function's backward or a hook that
-    casts the gradient, which the forward does not show)."""
-
-    def __init__(self):
-        super().__init__()
-        self.dtypes: set[torch.dtype] = set()
+class _BackwardDtypes(_Dtypes, TorchDispatchMode):
+    """Those a backward's ops make (a custom Function's backward or a hook that casts the gradient,
+    which the forward does not show)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.dtypes |= _dtypes_of(out, grad_only=False)
-        return out
+        return self._record(func, args, kwargs, grad_only=False)
 
 
 def _ignore(g, inp) -> None:
