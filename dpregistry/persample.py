@@ -32,7 +32,9 @@ Two ways to the clipped sum (``GradSampler(passes=...)``, the estimators' ``pass
   that the first backward formed (a small layer's, a bias's, a custom layer's: B·p·q at most the
   size of the layer's factors) is kept and summed with the weights w_i, as it was measured: formed
   again from the second backprop, its rounding need not scale with w_i, and where an example's
-  rows cancel it is mostly rounding (a review: 4.9·C released against a clip of C).
+  rows cancel it is mostly rounding (a review: 4.9·C released against a clip of C). So are all the
+  pieces of a handler that does not declare ``second_pass_replays`` (DP-GRAPE's projections). A
+  model that differentiates anything below float32 is refused (``check_model``'s probe).
 
 A contribution is summed once: the sum drops the kept state (and the second backward frees the graph).
 Its backward runs when it is first read, not when it is made: per-layer clipping (the opt-in
@@ -590,17 +592,12 @@ def _without_joint(w: torch.Tensor, use: "Use") -> torch.Tensor:
 
 def _joint_shares(h: "LayerHandler", use: "Use", w: torch.Tensor) -> dict[str, torch.Tensor]:
     """The weighted sums of the call's ``joint`` examples alone, from their float64 rows, in float64
-    (added up over the calls before they are rounded, once; {} for a call without them)."""
+    (added up over the calls before they are rounded, once: ``_CallSums.add_shares``; {} for a call
+    without them)."""
     if use.joint is None:
         return {}
     idx, rows = use.joint
     return h.weighted(Use(use.module, None, keys=use.keys, state=rows), w[idx.to(w.device)].double())
-
-
-def _add_rounded(sums: dict[str, torch.Tensor], shares: dict[str, torch.Tensor]) -> None:
-    """Add the float64 ``shares`` (summed over calls) to the sums of their parameters, rounded once."""
-    for name, v in shares.items():
-        sums[name] = sums[name] + v.to(sums[name].dtype)
 
 
 def _exact_rows(state: dict[str, Piece]) -> dict[str, tuple[torch.Tensor, Piece]]:
@@ -1434,22 +1431,22 @@ class GradSampler:
             # and the float64 rows of examples whose pieces cancel across the calls (``_flag_joint``)
             keep = set(use.keys) if any(local[k] in p.shared for k in use.keys) else set()
             pieces = h.pieces(use)
-            formed = _measured(h, pieces)  # kept and released as measured (see _SecondPass)
+            measured = _measured(h, pieces)  # kept and released as measured (see _SecondPass)
             use.exact = _exact_rows(pieces)
-            use.state = {k: v for k, v in pieces.items() if k in keep or k in formed}
+            use.state = {k: v for k, v in pieces.items() if k in keep or k in measured}
             (use.args, use.kwargs), use.inp, use.g = kept, None, None
         else:
             self._check_linear(use, p.weights)
-            formed, use.state = _measured(h, use.state), {}
+            measured, use.state = _measured(h, use.state), {}
             use.sums = {}
-            if set(use.keys) - set(formed):
+            if set(use.keys) - set(measured):
                 h.on_backprop(use)
                 for k, (idx, rows) in use.exact.items():
                     if k in use.state:
                         _release_instead(use.state[k], idx, rows, p.weights[idx.to(p.weights.device)])
                 use.sums = h.weighted(use, _without_joint(p.mask, use))
-            if formed:
-                use.state = formed
+            if measured:
+                use.state = measured
                 use.sums.update(h.weighted(use, _without_joint(p.weights, use)))
             use.drop()
 
@@ -1853,6 +1850,11 @@ class _CallSums(dict):
             v = v.double()
         _accumulate(self, name, v)
 
+    def add_shares(self, shares: dict[str, torch.Tensor]) -> None:
+        """Add the float64 ``shares`` of joint examples (``_joint_shares``, summed over the calls)."""
+        for name, v in shares.items():
+            self[name] = self[name] + v.to(self[name].dtype)
+
     def rounded(self) -> dict[str, torch.Tensor]:
         return {name: v.to(self.dtypes.get(name, v.dtype)) for name, v in self.items()}
 
@@ -1910,7 +1912,7 @@ class _LayerClip:
                 _accumulate(shares, names[k], v)
             use.joint = None
             use.drop()
-        _add_rounded(self.sums, shares)
+        self.sums.add_shares(shares)
 
 
 @dataclass
@@ -2178,5 +2180,5 @@ class HookContribution(DenseContribution):
             shared += terms[::-1]
         for name, v in reversed(shared):
             out.add(name, v)
-        _add_rounded(out, shares)
+        out.add_shares(shares)
         return self._full(out.rounded())
