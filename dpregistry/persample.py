@@ -566,6 +566,13 @@ def _sq_bound_flagged(pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor |
     return (sq + 2 * err).to(dtype), idx
 
 
+#: an example whose pieces of a shared parameter add up to less than 1/APART of the sum of their
+#: norms (cancelling across the calls) is released apart, in float64 (``_flag_joint``); ordinary
+#: pieces of a tied head or a reused layer are far from cancelling so (pieces of equal norm need a
+#: cosine below −0.5 to reach 2)
+APART = 2.0
+
+
 def _flag_joint(pieces: dict[str, list[Piece]], calls) -> list[torch.Tensor]:
     """The norms² of the parameters several calls reach (``pieces``: name -> their pieces), and
     where some example's pieces cancel across calls (its norm recomputed in float64), set
@@ -573,9 +580,19 @@ def _flag_joint(pieces: dict[str, list[Piece]], calls) -> list[torch.Tensor]:
     examples' rows of every piece of the call in float64 (``_joint_shares``). Each call's pieces
     are otherwise summed over the examples on their own, in fp32: there ±X would absorb the other
     examples' rows, and their sums, added, would not release the 0 that was measured (0.98·C at
-    B = 256 in a search). Returns the norms² in the order of ``pieces``."""
+    B = 256 in a search). Returns the norms² in the order of ``pieces``.
+
+    The float64 recompute flags pieces that cancel by a factor of about 20 and more; the release
+    flags them from ``APART`` on: below the norm's flag, one fp32 GEMM per call, which BLAS runs
+    row after row for narrow layers, kept ±w·X as the running value while every later example's
+    rows were added, and rounded them all away (a review: 4.7·C at B·T = 10⁶, X = 40)."""
     flagged = [_sq_bound_flagged(ps) for ps in pieces.values()]
     found = [i for _, i in flagged if i is not None]
+    for ps, (sq, _) in zip(pieces.values(), flagged):
+        each = sum(_sq_parts(p)[0].sqrt() for p in ps)  # Σ_k ‖piece_k‖ against ‖Σ_k piece_k‖
+        apart = (each > APART * sq.double().sqrt().to(each.device)).nonzero().squeeze(1)
+        if len(apart):
+            found.append(apart)
     if found:
         idx = torch.unique(torch.cat([i.cpu() for i in found]))
         for h, local, use in calls:
@@ -2080,13 +2097,18 @@ class HookContribution(DenseContribution):
         for calls in by_parameter.values():
             grouped = [regroup(v, groups, n_groups) for _, _, v in calls]
             term, flagged = _sq_bound_flagged(grouped)
-            if flagged is not None and len(calls) > 1:
-                cancelling.append(flagged.cpu())
+            if len(calls) > 1:  # a group whose pieces cancel across the calls by APART: apart too
+                each = sum(_sq_parts(gx)[0].sqrt() for gx in grouped)  # (``_flag_joint``; a review: 1.36·C)
+                apart = (each > APART * term.double().sqrt().to(each.device)).nonzero().squeeze(1).cpu()
+                flagged = apart if flagged is None else torch.unique(torch.cat([flagged.cpu(), apart]))
+                if len(flagged):
+                    cancelling.append(flagged)
+            members = torch.isin(groups.cpu(), flagged).nonzero().squeeze(1) if flagged is not None else []
             for (u, k, v), gx in zip(calls, grouped):
                 if _kind(v) == 2:  # the members' rows formed (small): the group sums as measured
                     u.state[k] = _GroupSums(_dense(gx), groups)
-                elif getattr(gx, "exact", None) is not None:  # a group whose rows cancel: members in float64
-                    release_exactly(v, torch.isin(groups.to(gx.exact.device), gx.exact).nonzero().squeeze(1))
+                elif len(members):  # a group whose rows cancel: members in float64
+                    release_exactly(v, members)
             sq = term if sq is None else sq + term
             del grouped
         if cancelling:  # a group whose pieces of a shared parameter cancel across calls (``_flag_joint``)

@@ -535,3 +535,36 @@ def test_a_nan_backprop_at_a_padding_token_keeps_the_example():
     want = torch.stack([torch.autograd.grad(emb(ids[i:i + 1]).pow(2).sum(-1).sqrt().sum(), emb.weight)[0].norm()
                         for i in range(2)])
     torch.testing.assert_close(norms, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["flat", "two passes", "per layer", "users"])
+def test_an_example_cancelling_across_calls_below_the_norms_flag_does_not_absorb_a_large_batch(mode):
+    """Linear(8, 8) called twice, one token each; the crafted example's backprops are +X·e₁ and
+    (1 − X)·e₁ (X = 40, under the float64 recompute of the norm), 20,000 others' are −δ·e₁, δ under
+    half an ulp of X. Each call's sum is one fp32 GEMM over the batch, which MKL runs row after row
+    at this width: the crafted example first, its ±w·X rounded every other row away (a review:
+    1.36·C at 10⁵ rows, 4.7·C at 10⁶; 1.36·C with user-level clipping). It is now released apart,
+    in float64, since its pieces cancel across the calls by more than ``APART``."""
+    N, X, C = 20000, 40.0, 1.0
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8, bias=False)
+
+        def forward(self, xz):  # [B, 2, 10]: each call's input (8) and the weights of its outputs 0, 1
+            return sum((self.lin(xz[:, k, :8])[:, :2] * xz[:, k, 8:]).sum(1) for k in range(2))
+
+    model = Twice().eval()
+    half_ulp = 0.5 * float(torch.tensor(X).nextafter(torch.tensor(2 * X)) - X)
+    others = torch.zeros(N, 2, 10)
+    others[:, :, 0], others[:, :, 8] = 1.0, -0.97 * half_ulp
+    crafted = torch.zeros(1, 2, 10)
+    crafted[0, :, 0] = 1.0
+    crafted[0, 0, 8], crafted[0, 1, 8] = X, 1.0 - X
+    def released(x):
+        return _released(model, x, mode, C, users=torch.arange(x.shape[0]))
+
+    alone = _distance(released(crafted), {"lin.weight": torch.zeros(8, 8, dtype=torch.float64)})
+    moved = _distance(released(torch.cat([crafted, others])), released(others))
+    assert moved <= alone + 1e-5 * C
