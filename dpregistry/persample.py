@@ -504,21 +504,23 @@ def _inner(x: Piece) -> int:
     return 2
 
 
-def _sq_of_sum(pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
+def _sq_of_sum(pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``_sq_parts`` of Σ_k piece_k: Σ_k ‖piece_k‖² + 2 Σ_{k<l} ⟨piece_k, piece_l⟩ per example; the
-    cross terms' error is bounded through the pieces' magnitudes (shared parameters are rare)."""
+    cross terms' error is bounded through the pieces' magnitudes (shared parameters are rare).
+    Third, Σ_k ‖piece_k‖ (float64), which ``_flag_joint`` compares with the norm of the sum."""
     if len(pieces) == 1:
-        return _sq_parts(pieces[0])
+        sq, err = _sq_parts(pieces[0])
+        return sq, err, sq.sqrt()
     u = _roundoff(_piece_tensor(pieces[0]).dtype)
     M = sum(_magnitude(p) for p in pieces)
     err = 1.01 * _gamma(max(_inner(p) for p in pieces), u) * (2 * M * M)
     if len(pieces) > MAX_CROSS_PIECES:
         total = sum(_per_row(_piece_per_example(p)) for p in pieces)
-        return total.pow(2).sum(1, dtype=torch.float64), err
+        return total.pow(2).sum(1, dtype=torch.float64), err, sum(_sq_parts(p)[0].sqrt() for p in pieces)
     parts = [_sq_parts(p) for p in pieces]
     terms = [sq for sq, _ in parts]
     terms += [2 * piece_dot(pieces[k], pieces[l]) for k in range(len(pieces)) for l in range(k)]
-    return sum(terms[1:], terms[0]), err + sum(e for _, e in parts)
+    return sum(terms[1:], terms[0]), err + sum(e for _, e in parts), sum(sq.sqrt() for sq, _ in parts)
 
 
 def _piece_rows64(x: Piece, idx: torch.Tensor) -> Piece:
@@ -551,19 +553,19 @@ def _sq_bound(pieces: list[Piece]) -> torch.Tensor:
     return _sq_bound_flagged(pieces)[0]
 
 
-def _sq_bound_flagged(pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``_sq_bound``, and the examples it recomputed in float64 (None if none)."""
-    sq, err = _sq_of_sum(pieces)
+def _sq_bound_flagged(pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``_sq_bound``, the examples it recomputed in float64 (None if none), and Σ_k ‖piece_k‖."""
+    sq, err, each = _sq_of_sum(pieces)
     dtype = _piece_tensor(pieces[0]).dtype
     loose = ~(err * 64 <= sq)
     idx = None
     if dtype != torch.float64 and bool(loose.any()):
         idx = loose.nonzero().squeeze(1)
-        sq64, err64 = _sq_of_sum([_piece_rows64(p, idx.to(_piece_tensor(p).device)) for p in pieces])
+        sq64, err64, _ = _sq_of_sum([_piece_rows64(p, idx.to(_piece_tensor(p).device)) for p in pieces])
         sq, err = sq.index_copy(0, idx, sq64), err.index_copy(0, idx, err64)
         for p in pieces:
             release_exactly(p, idx)
-    return (sq + 2 * err).to(dtype), idx
+    return (sq + 2 * err).to(dtype), idx, each
 
 
 #: an example whose pieces of a shared parameter add up to less than 1/APART of the sum of their
@@ -587,9 +589,8 @@ def _flag_joint(pieces: dict[str, list[Piece]], calls) -> list[torch.Tensor]:
     row after row for narrow layers, kept ±w·X as the running value while every later example's
     rows were added, and rounded them all away (a review: 4.7·C at B·T = 10⁶, X = 40)."""
     flagged = [_sq_bound_flagged(ps) for ps in pieces.values()]
-    found = [i for _, i in flagged if i is not None]
-    for ps, (sq, _) in zip(pieces.values(), flagged):
-        each = sum(_sq_parts(p)[0].sqrt() for p in ps)  # Σ_k ‖piece_k‖ against ‖Σ_k piece_k‖
+    found = [i for _, i, _ in flagged if i is not None]
+    for sq, _, each in flagged:  # Σ_k ‖piece_k‖ against ‖Σ_k piece_k‖
         apart = (each > APART * sq.double().sqrt().to(each.device)).nonzero().squeeze(1)
         if len(apart):
             found.append(apart)
@@ -599,7 +600,7 @@ def _flag_joint(pieces: dict[str, list[Piece]], calls) -> list[torch.Tensor]:
             if any(local[k] in pieces for k in use.keys):
                 use.joint = (idx, {k: _piece_rows64(v, idx.to(_piece_tensor(v).device))
                                    for k, v in h.pieces(use).items()})
-    return [sq for sq, _ in flagged]
+    return [sq for sq, _, _ in flagged]
 
 
 def _without_joint(w: torch.Tensor, use: "Use") -> torch.Tensor:
@@ -2096,9 +2097,9 @@ class HookContribution(DenseContribution):
         # sums of formed rows, which are small and are what the weighted sum releases
         for calls in by_parameter.values():
             grouped = [regroup(v, groups, n_groups) for _, _, v in calls]
-            term, flagged = _sq_bound_flagged(grouped)
+            term, flagged, each = _sq_bound_flagged(grouped)
             if len(calls) > 1:  # a group whose pieces cancel across the calls by APART: apart too
-                each = sum(_sq_parts(gx)[0].sqrt() for gx in grouped)  # (``_flag_joint``; a review: 1.36·C)
+                # (``_flag_joint``; a review: 1.36·C)
                 apart = (each > APART * term.double().sqrt().to(each.device)).nonzero().squeeze(1).cpu()
                 flagged = apart if flagged is None else torch.unique(torch.cat([flagged.cpu(), apart]))
                 if len(flagged):
