@@ -527,14 +527,18 @@ class Run:
         self.records.read(self._checked_batch, drawn_from)
         if self.els:  # the sampler drew among the kept records
             indices = self.users.members[indices]
+        elif self.users is not None:
+            indices = _users_side_by_side(indices, self._user_of)
         shard = self.comm.shard(indices)
         # the rows are checked against a copy the estimator cannot write into (one process without
         # ELS is given the checked batch itself: no clone of a KL full batch of 10⁷ records)
         reference = shard.clone() if self.els or self.comm.world_size > 1 else self._checked_batch
         rows = _Rows(self.estimator.name, reference)
+        uls = self.users is not None and not self.els
+        clipped_users = torch.zeros(self.users.n_users if uls else 0, dtype=torch.bool)
         for contrib in self.estimator.contributions(self.objective, shard, self.ctx):
             rows.add(contrib)
-            if self.users is not None and not self.els:  # ULS: each user's examples are one unit
+            if uls:  # each user's examples are one unit
                 if contrib.indices is None:
                     raise UserError(f"estimator {self.estimator.name!r} does not say which records its contributions "
                                     f"come from, so it cannot clip users as one (privacy.unit: user)", key="estimator")
@@ -542,6 +546,7 @@ class Run:
                 if bool((contrib.groups < 0).any()):
                     raise RuntimeError(f"sampler {self.sampler.name!r}: a user-level batch holds records outside the "
                                        f"public selection of at most {self.users.k} per user")
+                _each_user_together(contrib.groups, clipped_users, self.estimator.name)
             full = contrib.gather(self.comm) if self.comm.world_size > 1 else None
             gathered = full is not None
             part = self.privatizer.clip_sum(full if gathered else contrib)
@@ -687,6 +692,37 @@ class Run:
             raise UserError(f"the ranks resumed from different checkpoints ({here}rank 0: step {first[0]}"
                             f"{'' if differs else '; another rank differs'}); every rank must read the same run "
                             f"folder")
+
+
+def _users_side_by_side(indices: torch.Tensor, user_of: torch.Tensor) -> torch.Tensor:
+    """A ULS batch with each user's records side by side, users in the order of their first record
+    (``user_poisson`` draws them so; a sampler of one's own need not). ``ctx.micro_batches`` cuts
+    between users only where they change, so a user whose records were apart was split across
+    micro-batches and clipped to C in each (4·C with k = 4 in a review)."""
+    if len(indices) < 2:
+        return indices
+    _, user = torch.unique(user_of[indices], return_inverse=True)
+    first = torch.full((int(user.max()) + 1,), len(user), dtype=torch.int64)
+    first.scatter_reduce_(0, user, torch.arange(len(user)), "amin")
+    return indices[torch.argsort(first[user], stable=True)]
+
+
+def _each_user_together(groups: torch.Tensor, clipped: torch.Tensor, estimator: str) -> None:
+    """Refuse a ULS contribution that holds a user already clipped in an earlier one, or a user's
+    rows apart: a user is clipped once, as one, and the hooks' weighted sum, one GEMM over the rows,
+    must not hold a user's running sum while other users' rows are added to it (a user whose
+    examples cancel, ±X, would round theirs away). Marks the contribution's users in ``clipped``."""
+    groups = groups.cpu()
+    if not len(groups):
+        return
+    starts = torch.ones(len(groups), dtype=torch.bool)
+    starts[1:] = groups[1:] != groups[:-1]
+    users = groups[starts]
+    if len(torch.unique(users)) != len(users) or bool(clipped[users].any()):
+        raise RuntimeError(f"estimator {estimator!r}: a user's records came apart (in two contributions, or apart "
+                           f"within one); a user is clipped as one, so their records come side by side in one "
+                           f"contribution (ctx.micro_batches keeps them so)")
+    clipped[users] = True
 
 
 def _each_once(indices: torch.Tensor, n: int) -> bool:

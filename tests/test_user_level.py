@@ -362,6 +362,57 @@ def test_els_with_one_example_per_user_trains_on_one_kept_example_of_each_user()
     assert s["user_mechanism"] == "els" and s["example_level"]["epsilon"] == s["epsilon"] <= 4.0
 
 
+def _flat(total):
+    return torch.cat([t.reshape(-1) for _, t in sorted(total.aggregate.tensors.items())])
+
+
+def test_a_user_whose_records_a_sampler_interleaves_is_clipped_once_as_one():
+    """``ctx.micro_batches`` cuts between users where the batch changes user; a ULS batch whose
+    users' records were interleaved (a sampler of one's own) split each user across micro-batches,
+    clipped to C in each: a user of 4 examples moved the clipped sum by 4·C (review of 2026-11-28).
+    The run now puts each user's records side by side first."""
+    C = 1.0
+    users = torch.arange(240) // 12
+    recipe = {"algorithm": "dp_sgd", "train": {"steps": 1, "progress": False, "micro_batch_size": 4},
+              "sampler": {"name": "user_poisson", "users_per_step": 5}, "privatizer": {"clip": C},
+              "privacy": {"epsilon": 4.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 4}}
+    torch.manual_seed(0)
+    x, y = torch.randn(240, 4), torch.randint(0, 2, (240,))
+    x[users == 0], y[users == 0] = 1e4, 1  # user 0: a huge gradient, all one way
+    objects = OwnObjects(nn.Linear(4, 2), per_example, list(zip(x, y)), users=users)
+    run = Run(resolve({"objective": "python", "seed": 0, **recipe}, {}, get_registry()),
+              provides={OwnObjects: objects}).prepare()
+    drawn = run.users.records_of(torch.arange(6))
+    interleaved = drawn.reshape(6, 4).T.reshape(-1)  # record j of every user, then record j + 1
+    everyone = _flat(run.privatize_batch(interleaved))
+    without = _flat(run.privatize_batch(interleaved[run._user_of[interleaved] != 0]))
+    assert 0.9 * C < (everyone - without).norm() <= C * (1 + 1e-6)
+
+
+def test_an_estimator_that_splits_a_user_across_contributions_is_refused():
+    users = torch.arange(240) // 12
+    recipe = {"algorithm": "dp_sgd", "train": {"steps": 1, "progress": False},
+              "sampler": {"name": "user_poisson", "users_per_step": 5},
+              "privacy": {"epsilon": 4.0, "delta": 1e-3, "unit": "user", "max_examples_per_user": 4}}
+    run = _own_run(recipe, users)
+    contributions = run.estimator.contributions
+
+    def one_record_at_a_time(objective, indices, ctx):
+        for i in indices:
+            yield from contributions(objective, i.reshape(1), ctx)
+
+    run.estimator.contributions = one_record_at_a_time
+    with pytest.raises(RuntimeError, match="a user's records came apart"):
+        run.privatize_batch(run.users.records_of(torch.arange(3)))
+
+    def reversed_within(objective, indices, ctx):  # one contribution, users' rows interleaved
+        yield from contributions(objective, indices.reshape(-1, 2).T.reshape(-1), ctx)
+
+    run.estimator.contributions = reversed_within
+    with pytest.raises(RuntimeError, match="a user's records came apart"):
+        run.privatize_batch(run.users.records_of(torch.arange(3)))
+
+
 def test_a_uls_batch_with_a_record_outside_the_selection_is_refused():
     """The user of a record the public selection did not keep was uninitialised memory; it is -1,
     and a ULS batch that holds such a record stops the run (its rows would be clipped as nobody's)."""
