@@ -55,6 +55,7 @@ class Randomness:
         if purpose == "noise":
             raise ValueError("the secret purpose 'noise' is the privacy noise's own; draw it with ctx.noise(), "
                              "or name your stream after your stage")
+        self._rng.stage_secrets += 1
         return self._rng.secret(purpose, step, *extra)
 
 

@@ -20,7 +20,8 @@ printing a smaller ε:
   is never read in a step charged to another (records of unpartitioned steps are in every
   partition's composition already). A step's batch lies in one partition.
 
-Records are counted in the sampler's index space (the batch it returns). The state travels in the
+Records are counted in the sampler's index space (the batch it returns); where users are sampled
+(user-level sampling) the unit is the user, and each user counts as one record. The state travels in the
 checkpoint, so a resume does not forget what the earlier steps read.
 """
 
@@ -43,6 +44,7 @@ class RecordUse:
 
     def __init__(self, sampler: str):
         self.sampler = sampler
+        self.unit = "record"  # "user" where users are sampled (ULS): each user is then one of n
         self.n = 0
         self._step: list[torch.Tensor] = []       # the batches of the step in progress
         self._cover_step: int | None = None       # the step of the last covering charge
@@ -114,9 +116,10 @@ class RecordUse:
         if (again := mask[records].nonzero().flatten()).numel():
             shown = ", ".join(str(int(r)) for r in records[again[:5]]) + (", …" if len(again) > 5 else "")
             raise RuntimeError(f"sampler {self.sampler!r}: step {step} charged less than it released, relying on an "
-                               f"earlier charge that pays for one use of each record, but record"
+                               f"earlier charge that pays for one use of each {self.unit}, but {self.unit}"
                                f"{'s' * (len(again) > 1)} {shown} {'were' if len(again) > 1 else 'was'} read {since} "
-                               f"already; charge the step, or read each record once per charge (an epoch, a period)")
+                               f"already; charge the step, or read each {self.unit} once per charge (an epoch, a "
+                               f"period)")
         mask[records] = True
 
     def _in_partition(self, step: int, records: torch.Tensor, partition: str) -> None:
@@ -128,10 +131,10 @@ class RecordUse:
         other = (owner[records] >= 0) & (owner[records] != pid)
         if bool(other.any()):
             first = records[other][0]
-            raise RuntimeError(f"sampler {self.sampler!r}: step {step} charges partition {partition!r}, but record "
+            raise RuntimeError(f"sampler {self.sampler!r}: step {step} charges partition {partition!r}, but {self.unit} "
                                f"{int(first)} was read in partition {self._partitions[int(owner[first])]!r}; parallel "
-                               f"composition holds for disjoint partitions only ({int(other.sum())} records of this "
-                               f"batch lie in another)")
+                               f"composition holds for disjoint partitions only ({int(other.sum())} {self.unit}s of "
+                               f"this batch lie in another)")
         owner[records] = pid
 
     def _mask(self) -> torch.Tensor:

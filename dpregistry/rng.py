@@ -115,6 +115,9 @@ class RunRNG:
         g.manual_seed(self.step_seed(purpose, step, *extra))
         return g
 
+    #: secret streams the stages drew (``Randomness.secret``): the run tells a batch drawn from one
+    stage_secrets = 0
+
     def secret(self, purpose: str, step: int, *extra: object) -> SecretStream:
         """The secret stream of ``purpose`` at ``step`` (identical on every rank that holds the key)."""
         if self._key is None:

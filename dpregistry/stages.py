@@ -294,8 +294,22 @@ class ClippedSum:
     nonfinite: int = 0      # examples zeroed because a loss or gradient was NaN/inf
     loss_sum: float = 0.0   # diagnostics only (finite losses)
     kind: str = GRADIENT
+    #: the privacy units (records, or users at the user level) the run clipped into it
+    #: (``Run.privatize_batch``): two sums that share one cannot be added, since the unit would move
+    #: their sum by twice the clip (an algorithm's own accumulation cut a user in two: 4·C at k = 4)
+    units: torch.Tensor | None = field(default=None, repr=False)
 
     def add_(self, other: "ClippedSum") -> "ClippedSum":
+        if self.units is not None and other.units is not None:
+            import torch
+
+            if bool(torch.isin(other.units, self.units).any()):
+                raise RuntimeError("two clipped sums that hold the same record (or user) cannot be added: the sum "
+                                   "would hold it twice, beyond the clip its release is charged for; privatize "
+                                   "each record once per release (the run cuts a batch into micro-batches itself)")
+            self.units = torch.cat([self.units, other.units])
+        else:
+            self.units = None
         self.aggregate.add_(other.aggregate)
         self.count += other.count
         self.clipped += other.clipped
@@ -329,6 +343,15 @@ class Privatizer(Stage):
     accepts: ClassVar[frozenset[str] | None] = None
     #: contribution kinds it accepts (stream privatizers take increments)
     accepts_kinds: ClassVar[frozenset[str]] = frozenset({GRADIENT})
+    #: its ``clip_sum`` clips a user-level contribution's rows of each user as one
+    #: (``contribution.groups``, as ``dpregistry.clipping.clip_and_sum`` does), so it may run with
+    #: user-level sampling
+    user_level: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "clip_sum" in cls.__dict__ and "user_level" not in cls.__dict__:
+            cls.user_level = False  # a clip_sum of its own says for itself whether it clips users as one
 
     #: noise std ÷ the clip (None until set by the recipe or by calibration)
     noise_multiplier: float | None = None

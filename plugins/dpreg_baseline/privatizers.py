@@ -35,6 +35,7 @@ class GaussianPrivatizer(Privatizer):
     """
 
     name = "gaussian"
+    user_level = True  # clip_and_sum clips a user's rows as one
     Params = GaussianParams
     provides = (NoiseStd,)  # every release states noise_std
 
@@ -101,6 +102,7 @@ class NoPrivatizer(Privatizer):
     """No clipping and no noise: non-private training (MeZO, SGD); ε is reported as infinite."""
 
     name = "none"
+    user_level = True  # clip_and_sum clips a user's rows as one
 
     def setup(self, ctx):
         self.noise_multiplier = 0.0

@@ -33,6 +33,7 @@ class ScheduledGaussian(Privatizer):
     """Clip each example to L0, sum, add N(0, std²) with the std the algorithm sets per call, ÷ n."""
 
     name = "scheduled_gaussian"
+    user_level = True  # clip_and_sum clips a user's rows as one
     Params = ScheduledParams
     needs = (Objective,)  # for ``auto``: its declared constants (KLConstants)
     provides = (NoiseStd,)  # each release states the std of the noise on its value, std/n
