@@ -803,13 +803,15 @@ class _Rows:
 
     def check(self) -> None:
         batch = self.batch.reshape(-1).cpu()
-        if self.named and sum(len(i) for i in self.named) == self.rows:  # every row names its record
-            named = torch.cat(self.named)
+        named = torch.cat(self.named) if self.named else batch[:0]
+        if self.named and len(named) == self.rows:  # every row names its record
             if _same_records(named, batch):
                 return
             extra, missing = _excess(named, batch), _excess(batch, named)
             found = "; ".join([f"more rows than the batch holds for {_listed(extra)}"] * bool(extra)
                               + [f"no row for {_listed(missing)}"] * bool(missing)) or "records named twice"
+        elif not _within(named, batch):  # rows that stand for several records name records of the batch, once
+            found = "rows naming records outside the batch, or one twice"
         elif self.rows == len(batch):
             return
         else:
@@ -820,15 +822,18 @@ class _Rows:
 
 
 def _same_records(named: torch.Tensor, batch: torch.Tensor) -> bool:
-    """Whether ``named`` holds each record of ``batch`` (distinct records) once and nothing else:
-    masks, not sorts (a KL full batch is 10⁷ records)."""
-    if len(named) != len(batch):
-        return False
-    if not len(batch):
+    """Whether ``named`` holds each record of ``batch`` (distinct records) once and nothing else."""
+    return len(named) == len(batch) and _within(named, batch)
+
+
+def _within(named: torch.Tensor, batch: torch.Tensor) -> bool:
+    """Whether ``named`` holds records of ``batch`` only, each at most once: masks, not sorts (a KL
+    full batch is 10⁷ records)."""
+    if not len(named):
         return True
     if int(named.min()) < 0:
         return False
-    n = max(int(named.max()), int(batch.max())) + 1
+    n = max(int(named.max()), int(batch.max()) if len(batch) else 0) + 1
     in_batch = torch.zeros(n, dtype=torch.bool)
     in_batch[batch] = True
     return _each_once(named, n) and bool(in_batch[named].all())

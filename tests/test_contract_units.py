@@ -167,3 +167,21 @@ def test_clipped_sums_that_hold_the_same_unit_are_not_added():
     assert torch.equal(torch.sort(summed.units).values, batch) and summed.count == whole.count == 40
     for name, t in whole.aggregate.tensors.items():
         assert torch.allclose(summed.aggregate.tensors[name], t, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_that_stand_for_several_records_name_records_of_the_batch():
+    """A contribution whose rows stand for several records (``n_records``: a KL batch of identical
+    records) was checked by its count alone, so its rows could name, and be computed from, records
+    outside the batch."""
+    run = _run({"sampler": {"name": "poisson", "batch_size": 24}, "privacy": {"delta": 1e-5}}, users=None)
+    contributions = run.estimator.contributions
+
+    def beside_the_batch(objective, indices, ctx):
+        for c in contributions(objective, indices[: len(indices) // 2] + 1, ctx):  # the next records, not these
+            c.__class__ = type("Twice", (type(c),), {"n_records": property(lambda self: 2 * self.batch_size)})
+            yield c
+
+    run.estimator.contributions = beside_the_batch
+    run.begin_step()
+    with pytest.raises(RuntimeError, match="rows naming records outside the batch"):
+        run.privatize_batch(torch.arange(0, 40, 2))
