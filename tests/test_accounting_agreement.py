@@ -144,12 +144,14 @@ def test_a_second_charge_on_one_sampled_batch_is_refused(sampler, tmp_path):
               "sampler": {"name": sampler, "batch_size": 8}, "privatizer": {"clip": 1.0, "noise_multiplier": 2.0},
               "privacy": {"epsilon": 50.0, "delta": 1e-3}, "train": {"steps": 3, "progress": False}}
     run = make_run(recipe, tmp_path)
+    run.sampler.indices(run.ctx)  # the step's secret batch
     run.charge([Gaussian(2.0, 2.0)])
     charged = copy.deepcopy(run.accountant.ledger.entries)
     with pytest.raises(RuntimeError, match="charged step 0 twice"):
         run.charge([Gaussian(2.0, 2.0)])
     assert run.accountant.ledger.entries == charged
     run.step += 1
+    run.sampler.indices(run.begin_step())
     run.charge([Gaussian(2.0, 2.0)])  # the next step's batch is a new one
 
 # ------------------------------------------------------------------------------------------
