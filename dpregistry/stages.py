@@ -295,12 +295,15 @@ class ClippedSum:
     loss_sum: float = 0.0   # diagnostics only (finite losses)
     kind: str = GRADIENT
     #: the privacy units (records, or users at the user level) the run clipped into it
-    #: (``Run.privatize_batch``): two sums that share one cannot be added, since the unit would move
-    #: their sum by twice the clip (an algorithm's own accumulation cut a user in two: 4·C at k = 4)
+    #: (``Run.privatize_batch``; None: none, as in a sum made by hand or one already released): two
+    #: sums that share one cannot be added, since the unit would move their sum by twice the clip (an
+    #: algorithm's own accumulation cut a user in two: 4·C at k = 4)
     units: torch.Tensor | None = field(default=None, repr=False)
 
     def add_(self, other: "ClippedSum") -> "ClippedSum":
-        if self.units is not None and other.units is not None:
+        if self.units is None or other.units is None:
+            self.units = other.units if self.units is None else self.units
+        else:
             import torch
 
             if bool(torch.isin(other.units, self.units).any()):
@@ -308,8 +311,6 @@ class ClippedSum:
                                    "would hold it twice, beyond the clip its release is charged for; privatize "
                                    "each record once per release (the run cuts a batch into micro-batches itself)")
             self.units = torch.cat([self.units, other.units])
-        else:
-            self.units = None
         self.aggregate.add_(other.aggregate)
         self.count += other.count
         self.clipped += other.clipped

@@ -14,6 +14,7 @@ from dpregistry import Algorithm, ClippedSum, StagePlugin, StageParams, StepResu
 from dpregistry.clipping import clip_weights
 from dpregistry.own import OwnObjects
 from dpregistry.recipe import resolve
+from dpregistry.spaces import DenseAggregate
 from dpregistry.registry import Registry
 from dpregistry.run import Run
 from dpregistry.users import UserGroups
@@ -112,7 +113,7 @@ class PublicPoisson(PoissonSampler):
 def test_a_batch_amplified_by_sampling_is_drawn_from_the_secret_stream():
     run = _run({"sampler": {"name": "public_poisson", "sample_rate": 0.05}, "accountant": "pld",
                 "privacy": {"delta": 1e-5}}, PublicPoisson, users=None)
-    with pytest.raises(RuntimeError, match="amplified by sampling, but its batch was drawn without ctx.rng.secret"):
+    with pytest.raises(RuntimeError, match="amplified by sampling, but its indices\\(\\) drew nothing from ctx.rng.secret"):
         run.train()
     shipped = _run({"sampler": {"name": "poisson", "batch_size": 12}, "accountant": "pld",
                     "privacy": {"delta": 1e-5}}, users=None)
@@ -165,6 +166,17 @@ def test_clipped_sums_that_hold_the_same_unit_are_not_added():
     for p in parts[1:]:
         summed.add_(p)
     assert torch.equal(torch.sort(summed.units).values, batch) and summed.count == whole.count == 40
+    # from a sum made by hand (zeros: it holds no unit) the check goes on: review 33 gave 8.00·C at
+    # replace-one with user-level sampling, charged for 2C
+    zero = ClippedSum(DenseAggregate({k: torch.zeros_like(t) for k, t in whole.aggregate.tensors.items()}))
+    zero.add_(disjoint.privatize_batch(batch[:4]))
+    with pytest.raises(RuntimeError, match="two clipped sums that hold the same record"):
+        zero.add_(disjoint.privatize_batch(batch[3:8]))
+    # a sum once released holds no unit: adding to it is post-processing of the release
+    released = disjoint.privatize_batch(batch)
+    disjoint.privatizer.release(released, disjoint.ctx)
+    assert released.units is None
+    released.add_(disjoint.privatize_batch(batch))
     for name, t in whole.aggregate.tensors.items():
         assert torch.allclose(summed.aggregate.tensors[name], t, rtol=1e-5, atol=1e-6)
 
