@@ -126,6 +126,7 @@ def test_solver_returns_a_fitting_bracket_end_within_rtol(root, k, guess, rtol, 
     assert len(calls) < 120
 
 
+@pytest.mark.slow
 def test_a_calibration_stopped_by_the_pld_size_bound_says_so():
     """At q = 256/67,349 the boundary lies where a replace-one PLD needs more points than its bound:
     the calibration returns a fitting multiplier that spends well under the target (a coarser

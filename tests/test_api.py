@@ -273,6 +273,7 @@ def test_a_bad_recipe_raises_the_cli_message(tmp_path):
     assert cli.returncode == 2 and cli.stderr.strip() == f"error: {e.value}"
 
 
+@pytest.mark.slow
 def test_model_loading_draws_no_third_party_progress_bar(capfd):
     """transformers' own per-load bar and head warnings are silenced: the run's progress speaks."""
     from transformers.utils import logging as tlog

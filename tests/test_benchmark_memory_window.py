@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a heavy check, out of the default run (.ci/run runs -m slow)
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 CHILD = """

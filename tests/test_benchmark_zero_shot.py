@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # a heavy check, out of the default run (.ci/run runs -m slow)
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -59,6 +59,7 @@ def test_the_guide_uses_only_the_documented_context():
     assert not re.search(r"\b(getattr|hasattr)\(", code)
 
 
+@pytest.mark.slow
 def test_the_installed_estimator_and_privatizer_run_with_shipped_stages(installed, tmp_path):
     site, recipe = installed
     path = tmp_path / "recipe.yaml"
@@ -76,6 +77,7 @@ def test_the_installed_estimator_and_privatizer_run_with_shipped_stages(installe
     assert meta["state"]["estimator"]["evaluations"] > 0  # the declared State is checkpointed
 
 
+@pytest.mark.slow
 def test_the_installed_estimator_resumes_bit_for_bit(installed, tmp_path):
     site, recipe = installed
     path = tmp_path / "recipe.yaml"
@@ -92,6 +94,7 @@ def test_the_installed_estimator_resumes_bit_for_bit(installed, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_the_installed_privatizer_is_the_shipped_gaussian_bit_for_bit(installed, tmp_path):
     """Mixed into DP-Adam, the guide's privatizer calibrates, noises and charges exactly as the
     shipped `gaussian` privatizer does."""

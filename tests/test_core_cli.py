@@ -138,6 +138,7 @@ def test_privacy_calibrate_and_epsilon_round_trip():
                  "--sample-rate", 0.1).returncode == 2
 
 
+@pytest.mark.slow
 def test_the_repo_recipes_validate(sst2_dir):
     for recipe in sorted(RECIPES.glob("*.yaml")):
         if recipe.name.startswith(("opt", "roberta", "vit")):
@@ -151,6 +152,7 @@ def test_the_repo_recipes_validate(sst2_dir):
         assert res.returncode == 0, (recipe.name, res.stderr)
 
 
+@pytest.mark.slow
 def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path):
     res = dpreg_process("run", "quickstart", "--set", "privatizer=gausian", "--out", tmp_path / "o")
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "did you mean 'gaussian'" in res.stderr

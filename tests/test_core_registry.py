@@ -146,6 +146,7 @@ def dpreg(py: Path, *args, cwd=None):
     return subprocess.run([str(py), "-m", "dpregistry", *args], capture_output=True, text=True, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_a_pip_installed_plugin_is_used_in_a_recipe(plugin_venv, tmp_path):
     root, py = plugin_venv
     pip_install(py, make_package(root, "dpreg-demo-plugin", "dpreg_demo_plugin", "doubled_gaussian"))
@@ -361,6 +362,7 @@ def validate_with_privatizer(root: Path, tmp_path: Path, name: str):
     return dpreg_with(root, "validate", str(recipe))
 
 
+@pytest.mark.slow
 def test_a_plugin_that_raises_on_import_is_reported_once_and_the_rest_keep_working(broken_plugins, tmp_path):
     warning = ("warning: plugin 'dpreg_boom' of dpreg-boom 1.0 failed to load and is skipped: "
                "RuntimeError: boom at import")

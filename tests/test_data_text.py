@@ -149,6 +149,7 @@ def test_the_hub_recipe_trains_exactly_as_the_same_rows_from_files(hub_cache):
         assert torch.equal(p, runs["hub"].params[k]), k
 
 
+@pytest.mark.slow
 def test_the_hub_recipe_without_the_cache_refuses_in_one_line_that_says_what_to_do(tmp_path):
     """Offline with an empty cache (HF_HOME and HF_DATASETS_CACHE in tmp), `dpreg validate` of the
     hub recipe exits 2 with one line, no traceback; doing what the line says (save_to_disk where

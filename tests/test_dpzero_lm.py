@@ -128,6 +128,7 @@ def test_half_precision_parameters(tiny, tmp_path, dtype):
     assert math.isfinite(run.history[-1]["loss"])
 
 
+@pytest.mark.slow
 def test_minilm_recipe_starts_zero_shot_and_runs(sst2_dir, tmp_path):
     """The packaged MiniLM with a head from "It was terrible." / "It was great." is a zero-shot
     SST-2 classifier (71.2 % on all 872 test sentences, 68.7 % on their first 300, 67.7 % on the

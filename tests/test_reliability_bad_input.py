@@ -476,6 +476,7 @@ HEAVY = {"alias bomb": (BASE + alias_bomb(), None), "2.5 million keys": (many_ke
 
 
 @pytest.mark.parametrize("name", sorted(HEAVY))
+@pytest.mark.slow
 def test_hostile_recipes_cost_seconds_and_megabytes_beyond_a_plain_refusal(name, tmp_path):
     """Issue 14's reproductions in a fresh process, against the same command on a plain recipe (or
     a missing one): at most 10 s and 100 MB more (the alias bomb grew 18 MB/s until it was killed)."""

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a heavy check, out of the default run (.ci/run runs -m slow)
+
 
 def test_the_triton_kernels_compute_the_torch_codes_numbers():
     if importlib.util.find_spec("triton") is None and (sys.platform, platform.machine()) != ("linux", "x86_64"):
