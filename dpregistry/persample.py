@@ -1014,8 +1014,8 @@ def probe_indices(n_train: int, micro_batch_size: int | None = None, m: int = 8)
 
 
 def _mixing(what: str, index: int, value: str) -> UserError:
-    return UserError(f"{what}: training example {index}'s {value} in a batch of others and alone differ; the forward "
-                     "mixes the examples of a batch (batch statistics, a sum or mean over dimension 0, attention "
+    return UserError(f"{what}: training example {index}'s {value} in two batches of other examples differ; the "
+                     "forward mixes the examples of a batch (batch statistics, a sum or mean over dimension 0, attention "
                      "across the batch), so clipping one example's contribution would not bound its influence")
 
 
@@ -1031,12 +1031,18 @@ def _tolerance(dtype: torch.dtype, floor: float) -> float:
     return max(floor, 8 * torch.finfo(dtype).eps)
 
 
-def _compare_alone(value_of: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor, device: torch.device,
-                   rtol: float, what: str, name: str) -> None:
-    """``value_of`` (one value per example) of the first and last of ``idx`` alone against in ``idx``.
-    Each evaluation starts from the run's random state, which is restored; an example whose value
-    alone is not the same from another random state (dropout, noise drawn in the forward) cannot be
-    compared and is skipped: the probe covers deterministic forwards. One example: nothing to compare."""
+def _compare_across_batches(value_of: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor, n_train: int,
+                   device: torch.device, rtol: float, what: str, name: str) -> None:
+    """``value_of`` (one value per example) of the first and of the last of ``idx`` in the batch
+    ``idx`` against in a batch of the same size whose other examples are other records (spread over
+    the data set), each evaluation from the run's random state (restored): an example whose value
+    depends on the others in its batch differs, while a random forward (noise drawn in it, dropout)
+    draws the same numbers for both batches. An example finite in one batch and not in the other
+    depends on them too; one not finite in both is left out. Where the data set holds no other
+    records, the example alone stands for the second batch (a random forward is not compared
+    there). (Before, an example alone was compared
+    with the batch: a batch of one made a forward's batch statistics NaN, and a random forward
+    differed from any random state, so both were left out and such a mix passed: 8.2·C a review.)"""
     if len(idx) < 2:
         return
 
@@ -1046,15 +1052,25 @@ def _compare_alone(value_of: Callable[[torch.Tensor], torch.Tensor], idx: torch.
                 torch.rand(1, device=device)
             return value_of(sel).detach().reshape(-1).double().cpu()
 
-    together = None
+    others = torch.ones(n_train, dtype=torch.bool)
+    others[idx] = False
+    others = others.nonzero().squeeze(1)
+    spread = others[torch.linspace(0, len(others) - 1, len(idx) - 1).round().long()] if len(others) else others
+    together = values(idx)
     for j in dict.fromkeys((0, len(idx) - 1)):
-        single = values(idx[j:j + 1])[0]
-        if not (bool(torch.isfinite(single)) and torch.equal(single, values(idx[j:j + 1], moved=True)[0])):
-            continue
-        together = values(idx) if together is None else together
+        if len(spread):
+            swapped = torch.cat([spread[:j], idx[j:j + 1], spread[j:]])
+            alone = values(swapped)[j]
+        else:  # a tiny data set: the example alone, unless its value is random
+            alone = values(idx[j:j + 1])[0]
+            if not torch.equal(alone, values(idx[j:j + 1], moved=True)[0]):
+                continue
         t = together[j]
-        if bool(torch.isfinite(t)) and not float((t - single).abs()) <= rtol * (1 + float(t.abs())):
-            raise _mixing(what, int(idx[j]), f"{name} ({float(t):.6g} and {float(single):.6g})")
+        if not (bool(torch.isfinite(t)) or bool(torch.isfinite(alone))):
+            continue
+        if not (bool(torch.isfinite(t)) and bool(torch.isfinite(alone))
+                and float((t - alone).abs()) <= rtol * (1 + float(t.abs()))):
+            raise _mixing(what, int(idx[j]), f"{name} ({float(t):.6g} and {float(alone):.6g})")
 
 
 def check_examples_independent(losses_of: Callable[[torch.Tensor], torch.Tensor], n_train: int,
@@ -1062,15 +1078,15 @@ def check_examples_independent(losses_of: Callable[[torch.Tensor], torch.Tensor]
                                micro_batch_size: int | None = None, what: str = "per-example losses") -> None:
     """Refuse a forward in which an example's loss depends on the others in its batch: one record
     would move every other example's loss, and so its gradient or finite difference, past any
-    per-example clipping. The first and the last of :func:`probe_indices` are compared alone and in
-    the probe batch (the last catches a mix over the examples before it), to the rounding of the
-    model's working ``dtype``. A heuristic: a model may mix in a way these examples and these
-    parameters do not show (a zero-initialised head makes every loss log K: the hooks compare
-    gradient norms and the zeroth-order estimators probe again at their displaced parameters), and
-    a random forward is not compared (see :func:`_compare_alone`)."""
+    per-example clipping. The first and the last of :func:`probe_indices` (the last catches a mix
+    over the examples before it) are compared in the probe batch and in one of other records, to
+    the rounding of the model's working ``dtype`` (:func:`_compare_across_batches`). A heuristic: a
+    model may mix in a way these examples and these parameters do not show (a zero-initialised head
+    makes every loss log K: the hooks compare gradient norms and the zeroth-order estimators probe
+    again at their displaced parameters; a model that mixes only in larger batches)."""
     with torch.no_grad():
-        _compare_alone(losses_of, probe_indices(n_train, micro_batch_size), device, _tolerance(dtype, 1e-4), what,
-                       "loss")
+        _compare_across_batches(losses_of, probe_indices(n_train, micro_batch_size), n_train, device,
+                                _tolerance(dtype, 1e-4), what, "loss")
 
 
 def _check_supported(name: str, module: nn.Module) -> None:
@@ -1665,8 +1681,8 @@ class GradSampler:
                 losses = losses_of(sel)
             return self.contribution(losses).norms()
 
-        _compare_alone(norms, probe_indices(n_train, micro_batch_size), device, _tolerance(dtype, 1e-3),
-                       "per-example gradients", "gradient norm")
+        _compare_across_batches(norms, probe_indices(n_train, micro_batch_size), n_train, device,
+                                _tolerance(dtype, 1e-3), "per-example gradients", "gradient norm")
 
     def contribution(self, losses: torch.Tensor, cls: type | None = None, **extra) -> "HookContribution":
         """The lazy contribution of Σ_i loss_i (non-finite losses are masked out). Its backward runs

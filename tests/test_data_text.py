@@ -486,8 +486,8 @@ def test_encodings_are_made_per_batch_and_the_cache_is_bounded():
 
 
 def test_a_text_objective_tokenises_a_step_s_batch_not_the_data_set(sst2_dir):
-    """Building the classifier tokenises no more than the probes' records (8 of the 1,024, and the
-    layout check's first two); a loss evaluation tokenises just its rows (and the losses are those
+    """Building the classifier tokenises no more than the probes' records (8 of the 1,024, the 7
+    others they are compared beside, and the layout check's first two); a loss evaluation tokenises just its rows (and the losses are those
     of the same rows tokenised directly)."""
     run = make_run(RECIPES / "minilm_sst2_dp_adam.yaml", sets=[f"data.path={sst2_dir}", "data.k_per_class=null",
                                                                 "model.max_length=32"])
@@ -505,7 +505,7 @@ def test_a_text_objective_tokenises_a_step_s_batch_not_the_data_set(sst2_dir):
 
     obj.tokenizer = Counting()
     before = set(obj.train_tok._cache)  # preparing the run probes forward passes on a few records
-    assert len(before) <= 9
+    assert len(before) <= 16
     idx = torch.tensor([700, 3, 511])
     with torch.no_grad():
         losses = obj.losses(idx)

@@ -666,6 +666,62 @@ def test_the_mixing_probe_is_not_fooled_by_a_zero_head_copies_or_a_one_sided_mix
         dpregistry.train(recipe, model=model, loss=loss, train_data=TensorDataset(X, Y), verbose=False)
 
 
+class Standardised(nn.Module):
+    """(x − batch mean) / batch std, with noise drawn in the forward when ``noise``: alone, the
+    std of one example is NaN, and a random forward differs from any other random state."""
+
+    def __init__(self, noise: float = 0.0):
+        super().__init__()
+        self.lin, self.noise = nn.Linear(4, 1), noise
+
+    def forward(self, x):
+        x = (x - x.mean(0)) / x.std(0)
+        return self.lin(x + self.noise * torch.randn_like(x)).squeeze(-1)
+
+
+class Noisy(nn.Module):
+    """Noise drawn in the forward, each example its own: no mix."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.lin(x + 0.1 * torch.randn_like(x)).squeeze(-1)
+
+
+@pytest.mark.parametrize("case", ["std of the batch", "noise in the forward", "a NaN in the first record"])
+@pytest.mark.parametrize("recipe", [
+    {"algorithm": "dp_sgd", "update": {"lr": 1e-3}},
+    {"algorithm": "dpzero", "estimator": {"name": "zo_two_point"}, "update": {"name": "directional_sgd", "lr": 1e-3}},
+])
+def test_the_mixing_probe_is_not_switched_off_by_a_value_it_cannot_compare(case, recipe):
+    """The probe compared an example alone with the batch and left it out where the value alone was
+    not finite (the std of one example), was random (noise of 10⁻⁶ in the forward), or was not
+    finite in the batch (a NaN in one record spreads through the batch's mean): with both probed
+    examples left out nothing was compared, and a review moved the sum by 8.2, 8.3 and 12.2 × the
+    charged 2C. Each probed example is now compared in two batches of the same size and random
+    state, the others swapped for other records; a value finite in one and not the other is a mix.
+    A random forward that does not mix still trains."""
+    import dpregistry
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    X, Y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    model = {"std of the batch": Standardised(), "noise in the forward": Standardised(1e-6),
+             "a NaN in the first record": Centred()}[case]
+    if case == "a NaN in the first record":
+        X[0, 0] = float("nan")
+    recipe = {**recipe, "sampler": {"name": "poisson", "batch_size": 8},
+              "privatizer": {"clip": 0.5, "noise_multiplier": 1.0}, "accountant": "rdp",
+              "privacy": {"epsilon": 1e6, "delta": 1e-5}, "train": {"steps": 1}}
+    loss = lambda out, y: F.binary_cross_entropy_with_logits(out, y.float(), reduction="none")  # noqa: E731
+    with pytest.raises(UserError, match="mixes the examples of a batch"):
+        dpregistry.train(recipe, model=model, loss=loss, train_data=TensorDataset(X, Y), verbose=False)
+    assert dpregistry.train(recipe, model=Noisy(), loss=loss, train_data=TensorDataset(X, Y),
+                            verbose=False).run.step == 1
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_probe_allows_for_the_rounding_of_a_low_precision_model(dtype):
     """The shipped MiniLM in bf16 or fp16: padding to the probe batch's longest sentence moves an
