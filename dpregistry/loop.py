@@ -103,6 +103,7 @@ def _steps(run: Run, progress, tau, t0, state) -> None:
         finally:
             ctx.undo_displacement()
         run.check_charged(ctx)
+        run.check_state()
         run.step += 1
         state["in_step"] = False
         window.append(result.metrics)
@@ -155,6 +156,7 @@ def finish(run: Run, t0: float, *, evaluate: bool = True) -> dict[str, Any]:
         # the ledger file would refuse the checkpoint loudly rather than lose it).
         if run.folder and run.folder.saved != (run.step, json.loads(json.dumps(run.accountant.ledger.to_json()))):
             run.folder.save_checkpoint(run)
+        run.check_state(values=True)
         final = run.output_params()
         if final is not run.params:
             with torch.no_grad():

@@ -967,12 +967,27 @@ class StateWatch:
     def check(self, forward: Callable[[], Any], device: torch.device) -> None:
         with _random_state_kept(device), torch.no_grad():
             forward()
+        self.unchanged()
+
+    def keep_watching(self, trained: dict[str, torch.Tensor]) -> None:
+        """From here on (the run's steps) watch the buffers and the parameters the run does not train:
+        a forward that writes its state only every so many calls passed the one probe forward (a
+        buffer refreshed from the batch every 20th call left the run holding a training record)."""
+        ids = {id(p) for p in trained.values()}
+        self.params = {n: v for n, v in self.params.items() if id(self.model.get_parameter(n)) not in ids}
+
+    def unchanged(self, values: bool = True) -> None:
+        """Refuse a write since the watch began: buffers by value, parameters by their version counter
+        and storage and, with ``values``, their float64 sum and norm (a write through ``.data``)."""
         for name, b in self.model.named_buffers():
             old = self.buffers.get(name, b)
             if old.shape != b.shape or old.dtype != b.dtype or not _equal_nan(old, b):
                 raise _written("buffer", name)
         for name, p in self.model.named_parameters():
-            if name in self.params and self.params[name] != _fingerprint(p):
+            if name not in self.params:
+                continue
+            version, ptr, summary = self.params[name]
+            if (p._version, p.data_ptr()) != (version, ptr) or (values and tensor_summary(p) != summary):
                 raise _written("parameter", name)
 
 

@@ -106,6 +106,7 @@ class Run:
         # Whether the step's batch was drawn from the secret stream: a batch amplified by sampling
         # must be (anyone with the recipe regenerates one drawn from ctx.rng.generator)
         self._secret_batch: bool | None = None
+        self._state_watch: StateWatch | None = None  # the model's state, fixed from setup on
         indices = self.sampler.indices
 
         def drawn(ctx) -> torch.Tensor:
@@ -353,6 +354,8 @@ class Run:
         if watch is not None:
             probe = probe_indices(self.objective.n_train, self.recipe.train.micro_batch_size)
             watch.check(lambda: self.objective.losses(probe), self.device)
+            watch.keep_watching(self.params)
+        self._state_watch = watch
         if self.budget.rho is not None and not self.accountant.budgets_rho:
             raise self.recipe.error(f"privacy.rho is a zCDP budget, which the {self.accountant.name} accountant "
                                     f"cannot enforce; use accountant zcdp, or give the budget as privacy.epsilon "
@@ -656,6 +659,12 @@ class Run:
         if self.iterate_snapshot is not None:
             return self.iterate_snapshot
         return self.params
+
+    def check_state(self, values: bool = False) -> None:
+        """Refuse a model whose forward wrote its buffers or untrained parameters during the steps
+        (``StateWatch``; ``values``: by their values too, before the model leaves the run)."""
+        if self._state_watch is not None:
+            self._state_watch.unchanged(values)
 
     def train(self, progress: Callable | None = None) -> dict[str, Any]:
         """Take the remaining steps (:func:`dpregistry.loop.train`) and return the summary."""

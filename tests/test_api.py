@@ -431,6 +431,36 @@ def test_a_parameter_written_through_data_is_refused_and_a_lazy_module_trains():
     assert r.summary["step"] == 2
 
 
+class WritesNowAndThen(torch.nn.Module):
+    """Writes a record of the batch into its state every 20th call only (a plain counter): past the
+    setup's probe forwards."""
+
+    def __init__(self, through_data: bool):
+        super().__init__()
+        self.linear, self.calls, self.through_data = torch.nn.Linear(64, 10), 0, through_data
+        self.register_buffer("kept", torch.zeros(64))
+        self.frozen = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls % 20 == 0:
+            (self.frozen.data if self.through_data else self.kept).copy_(x.detach()[0])
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("through_data", [False, True], ids=["buffer", "frozen parameter through .data"])
+def test_a_forward_that_writes_its_state_now_and_then_is_refused(through_data):
+    """Review 34: the state was compared around one probe forward, so a buffer refreshed from the
+    batch every 20th call left the run holding a training record, verbatim, with a guarantee. The
+    run now watches the buffers and untrained parameters at every step (by value for buffers, by
+    version for parameters) and by value before the model leaves it."""
+    _, train, _ = own()
+    what = "parameter frozen" if through_data else "buffer kept"
+    with pytest.raises(UserError, match=f"forward writes its {what}"):
+        dpregistry.train(dict(RECIPE, train={"steps": 25}), model=WritesNowAndThen(through_data), loss=per_example,
+                         train_data=train, verbose=False)
+
+
 def test_a_loss_that_no_parameter_reaches_is_refused():
     """Review 14: a loss of detached outputs trained on noise alone, every clipped fraction 0."""
     model, train, _ = own()
