@@ -635,6 +635,18 @@ class Cumulative(nn.Module):
         return self.lin(x + before / torch.arange(1, len(x) + 1).unsqueeze(1)).squeeze(-1)
 
 
+def _one_step(recipe, model, X, Y):
+    """One step of ``recipe`` (a mixing probe's case) on (X, Y) with a binary loss."""
+    import dpregistry
+    from torch.utils.data import TensorDataset
+
+    recipe = {**recipe, "sampler": {"name": "poisson", "batch_size": 8},
+              "privatizer": {"clip": 0.5, "noise_multiplier": 1.0}, "accountant": "rdp",
+              "privacy": {"epsilon": 1e6, "delta": 1e-5}, "train": {"steps": 1}}
+    loss = lambda out, y: F.binary_cross_entropy_with_logits(out, y.float(), reduction="none")  # noqa: E731
+    return dpregistry.train(recipe, model=model, loss=loss, train_data=TensorDataset(X, Y), verbose=False)
+
+
 @pytest.mark.parametrize("case", ["zero head", "duplicated rows", "mix over the examples before",
                                   "zero head and a mix over the examples before"])
 @pytest.mark.parametrize("recipe", [
@@ -648,9 +660,6 @@ def test_the_mixing_probe_is_not_fooled_by_a_zero_head_copies_or_a_one_sided_mix
     alike (77 ×), and a mix over the examples before each one. The probe now takes 8 examples
     spread over the data, compares the first and the last alone, the hooks compare gradient
     norms too, and the zeroth-order estimators probe again at x + λu."""
-    import dpregistry
-    from torch.utils.data import TensorDataset
-
     torch.manual_seed(0)
     X, Y = torch.randn(64, 4), torch.randint(0, 2, (64,))
     model = Cumulative() if "mix" in case else Centred()
@@ -658,12 +667,8 @@ def test_the_mixing_probe_is_not_fooled_by_a_zero_head_copies_or_a_one_sided_mix
         nn.init.zeros_(model.lin.weight), nn.init.zeros_(model.lin.bias)
     if case == "duplicated rows":
         X[1] = X[0]
-    recipe = {**recipe, "sampler": {"name": "poisson", "batch_size": 8},
-              "privatizer": {"clip": 0.5, "noise_multiplier": 1.0}, "accountant": "rdp",
-              "privacy": {"epsilon": 1e6, "delta": 1e-5}, "train": {"steps": 1}}
-    loss = lambda out, y: F.binary_cross_entropy_with_logits(out, y.float(), reduction="none")  # noqa: E731
     with pytest.raises(UserError, match="mixes the examples of a batch"):
-        dpregistry.train(recipe, model=model, loss=loss, train_data=TensorDataset(X, Y), verbose=False)
+        _one_step(recipe, model, X, Y)
 
 
 class Standardised(nn.Module):
@@ -703,23 +708,15 @@ def test_the_mixing_probe_is_not_switched_off_by_a_value_it_cannot_compare(case,
     charged 2C. Each probed example is now compared in two batches of the same size and random
     state, the others swapped for other records; a value finite in one and not the other is a mix.
     A random forward that does not mix still trains."""
-    import dpregistry
-    from torch.utils.data import TensorDataset
-
     torch.manual_seed(0)
     X, Y = torch.randn(64, 4), torch.randint(0, 2, (64,))
     model = {"std of the batch": Standardised(), "noise in the forward": Standardised(1e-6),
              "a NaN in the first record": Centred()}[case]
     if case == "a NaN in the first record":
         X[0, 0] = float("nan")
-    recipe = {**recipe, "sampler": {"name": "poisson", "batch_size": 8},
-              "privatizer": {"clip": 0.5, "noise_multiplier": 1.0}, "accountant": "rdp",
-              "privacy": {"epsilon": 1e6, "delta": 1e-5}, "train": {"steps": 1}}
-    loss = lambda out, y: F.binary_cross_entropy_with_logits(out, y.float(), reduction="none")  # noqa: E731
     with pytest.raises(UserError, match="mixes the examples of a batch"):
-        dpregistry.train(recipe, model=model, loss=loss, train_data=TensorDataset(X, Y), verbose=False)
-    assert dpregistry.train(recipe, model=Noisy(), loss=loss, train_data=TensorDataset(X, Y),
-                            verbose=False).run.step == 1
+        _one_step(recipe, model, X, Y)
+    assert _one_step(recipe, Noisy(), X, Y).run.step == 1
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
