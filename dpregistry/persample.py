@@ -1030,8 +1030,9 @@ def probe_indices(n_train: int, micro_batch_size: int | None = None, m: int = 8)
 
 def _mixing(what: str, index: int, value: str) -> UserError:
     return UserError(f"{what}: training example {index}'s {value} in two batches of other examples differ; the "
-                     "forward mixes the examples of a batch (batch statistics, a sum or mean over dimension 0, attention "
-                     "across the batch), so clipping one example's contribution would not bound its influence")
+                     "forward mixes the examples of a batch (batch statistics, a sum or mean over dimension 0, "
+                     "attention across the batch), so clipping one example's contribution would not bound its "
+                     "influence")
 
 
 def working_dtype(tensors) -> torch.dtype:
@@ -1047,7 +1048,7 @@ def _tolerance(dtype: torch.dtype, floor: float) -> float:
 
 
 def _compare_across_batches(value_of: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor, n_train: int,
-                   device: torch.device, rtol: float, what: str, name: str) -> None:
+                            device: torch.device, rtol: float, what: str, name: str) -> None:
     """``value_of`` (one value per example) of the first and of the last of ``idx`` in the batch
     ``idx`` against in a batch of the same size whose other examples are other records (spread over
     the data set), each evaluation from the run's random state (restored): an example whose value
@@ -1055,9 +1056,9 @@ def _compare_across_batches(value_of: Callable[[torch.Tensor], torch.Tensor], id
     draws the same numbers for both batches. An example finite in one batch and not in the other
     depends on them too; one not finite in both is left out. Where the data set holds no other
     records, the example alone stands for the second batch (a random forward is not compared
-    there). (Before, an example alone was compared
-    with the batch: a batch of one made a forward's batch statistics NaN, and a random forward
-    differed from any random state, so both were left out and such a mix passed: 8.2·C a review.)"""
+    there). Compared alone, a batch of one made a forward's batch statistics NaN and a random
+    forward differed from any random state, so both were left out and such a mix passed (8.2·C in
+    a review)."""
     if len(idx) < 2:
         return
 
@@ -1074,18 +1075,17 @@ def _compare_across_batches(value_of: Callable[[torch.Tensor], torch.Tensor], id
     together = values(idx)
     for j in dict.fromkeys((0, len(idx) - 1)):
         if len(spread):
-            swapped = torch.cat([spread[:j], idx[j:j + 1], spread[j:]])
-            alone = values(swapped)[j]
+            elsewhere = values(torch.cat([spread[:j], idx[j:j + 1], spread[j:]]))[j]
         else:  # a tiny data set: the example alone, unless its value is random
-            alone = values(idx[j:j + 1])[0]
-            if not torch.equal(alone, values(idx[j:j + 1], moved=True)[0]):
+            elsewhere = values(idx[j:j + 1])[0]
+            if not torch.equal(elsewhere, values(idx[j:j + 1], moved=True)[0]):
                 continue
         t = together[j]
-        if not (bool(torch.isfinite(t)) or bool(torch.isfinite(alone))):
+        finite = (bool(torch.isfinite(t)), bool(torch.isfinite(elsewhere)))
+        if finite == (False, False):
             continue
-        if not (bool(torch.isfinite(t)) and bool(torch.isfinite(alone))
-                and float((t - alone).abs()) <= rtol * (1 + float(t.abs()))):
-            raise _mixing(what, int(idx[j]), f"{name} ({float(t):.6g} and {float(alone):.6g})")
+        if not (all(finite) and float((t - elsewhere).abs()) <= rtol * (1 + float(t.abs()))):
+            raise _mixing(what, int(idx[j]), f"{name} ({float(t):.6g} and {float(elsewhere):.6g})")
 
 
 def check_examples_independent(losses_of: Callable[[torch.Tensor], torch.Tensor], n_train: int,

@@ -131,8 +131,8 @@ class RecordUse:
         other = (owner[records] >= 0) & (owner[records] != pid)
         if bool(other.any()):
             first = records[other][0]
-            raise RuntimeError(f"sampler {self.sampler!r}: step {step} charges partition {partition!r}, but {self.unit} "
-                               f"{int(first)} was read in partition {self._partitions[int(owner[first])]!r}; parallel "
+            raise RuntimeError(f"sampler {self.sampler!r}: step {step} charges partition {partition!r}, but "
+                               f"{self.unit} {int(first)} was read in partition {self._partitions[int(owner[first])]!r}; parallel "
                                f"composition holds for disjoint partitions only ({int(other.sum())} {self.unit}s of "
                                f"this batch lie in another)")
         owner[records] = pid
