@@ -575,6 +575,11 @@ def _sq_bound_flagged(pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor |
 APART = 2.0
 
 
+def _apart(sq: torch.Tensor, each: torch.Tensor) -> torch.Tensor:
+    """The examples (or groups) whose Σ_k ‖piece_k‖ (``each``) exceeds APART × ‖Σ_k piece_k‖."""
+    return (each > APART * sq.double().sqrt().to(each.device)).nonzero().squeeze(1)
+
+
 def _flag_joint(pieces: dict[str, list[Piece]], calls) -> list[torch.Tensor]:
     """The norms² of the parameters several calls reach (``pieces``: name -> their pieces), and
     where some example's pieces cancel across calls (its norm recomputed in float64), set
@@ -590,8 +595,8 @@ def _flag_joint(pieces: dict[str, list[Piece]], calls) -> list[torch.Tensor]:
     rows were added, and rounded them all away (a review: 4.7·C at B·T = 10⁶, X = 40)."""
     flagged = [_sq_bound_flagged(ps) for ps in pieces.values()]
     found = [i for _, i, _ in flagged if i is not None]
-    for sq, _, each in flagged:  # Σ_k ‖piece_k‖ against ‖Σ_k piece_k‖
-        apart = (each > APART * sq.double().sqrt().to(each.device)).nonzero().squeeze(1)
+    for sq, _, each in flagged:
+        apart = _apart(sq, each)
         if len(apart):
             found.append(apart)
     if found:
@@ -2131,7 +2136,7 @@ class HookContribution(DenseContribution):
             term, flagged, each = _sq_bound_flagged(grouped)
             if len(calls) > 1:  # a group whose pieces cancel across the calls by APART: apart too
                 # (``_flag_joint``; a review: 1.36·C)
-                apart = (each > APART * term.double().sqrt().to(each.device)).nonzero().squeeze(1).cpu()
+                apart = _apart(term, each).cpu()
                 flagged = apart if flagged is None else torch.unique(torch.cat([flagged.cpu(), apart]))
                 if len(flagged):
                     cancelling.append(flagged)

@@ -557,7 +557,7 @@ class Run:
             self._checked_batch = indices.clone()
         uls = self.users is not None and not self.els
         if uls:  # parallel composition counts users, not records
-            users = self._user_of[self._checked_batch].unique()
+            users, user = torch.unique(self._user_of[indices], return_inverse=True)
             if len(users) and int(users[0]) < 0:
                 raise RuntimeError(f"sampler {self.sampler.name!r}: a user-level batch holds records outside the "
                                    f"public selection of at most {self.users.k} per user")
@@ -566,8 +566,8 @@ class Run:
             self.records.read(self._checked_batch, drawn_from)
         if self.els:  # the sampler drew among the kept records
             indices = self.users.members[indices]
-        elif self.users is not None:
-            indices = _users_side_by_side(indices, self._user_of)
+        elif uls:
+            indices = _users_side_by_side(indices, user)
         shard = self.comm.shard(indices)
         # the rows are checked against a copy the estimator cannot write into (one process without
         # ELS is given the checked batch itself: no clone of a KL full batch of 10⁷ records)
@@ -584,13 +584,13 @@ class Run:
                 if bool((contrib.groups < 0).any()):
                     raise RuntimeError(f"estimator {self.estimator.name!r}: a contribution names records outside the "
                                        f"public selection of at most {self.users.k} per user")
-                _each_user_together(contrib.groups, clipped_users, self.estimator.name)
+                n_users = _each_user_together(contrib.groups, clipped_users, self.estimator.name)
             full = contrib.gather(self.comm) if self.comm.world_size > 1 else None
             gathered = full is not None
             part = self.privatizer.clip_sum(full if gathered else contrib)
-            if uls and part.count != (n := int(contrib.groups.unique().numel())):
-                raise RuntimeError(f"privatizer {self.privatizer.name!r}: a user-level contribution of {n} users came "
-                                   f"back as {part.count} clipped units; clip each user's rows as one "
+            if uls and part.count != n_users:
+                raise RuntimeError(f"privatizer {self.privatizer.name!r}: a user-level contribution of {n_users} users "
+                                   f"came back as {part.count} clipped units; clip each user's rows as one "
                                    f"(dpregistry.clipping.clip_and_sum does)")
             total = part if total is None else total.add_(part)
             del contrib, full  # free activations before the next micro-batch
@@ -744,27 +744,28 @@ class Run:
                             f"folder")
 
 
-def _users_side_by_side(indices: torch.Tensor, user_of: torch.Tensor) -> torch.Tensor:
-    """A ULS batch with each user's records side by side, users in the order of their first record
-    (``user_poisson`` draws them so; a sampler of one's own need not). ``ctx.micro_batches`` cuts
-    between users only where they change, so a user whose records were apart was split across
-    micro-batches and clipped to C in each (4·C with k = 4 in a review)."""
+def _users_side_by_side(indices: torch.Tensor, user: torch.Tensor) -> torch.Tensor:
+    """A ULS batch with each user's records side by side (``user``: each record's user, numbered
+    0, 1, ...), users in the order of their first record (``user_poisson`` draws them so; a
+    sampler of one's own need not). ``ctx.micro_batches`` cuts between users only where they
+    change, so a user whose records were apart was split across micro-batches and clipped to C in
+    each (4·C with k = 4 in a review)."""
     if len(indices) < 2:
         return indices
-    _, user = torch.unique(user_of[indices], return_inverse=True)
     first = torch.full((int(user.max()) + 1,), len(user), dtype=torch.int64)
     first.scatter_reduce_(0, user, torch.arange(len(user)), "amin")
     return indices[torch.argsort(first[user], stable=True)]
 
 
-def _each_user_together(groups: torch.Tensor, clipped: torch.Tensor, estimator: str) -> None:
+def _each_user_together(groups: torch.Tensor, clipped: torch.Tensor, estimator: str) -> int:
     """Refuse a ULS contribution that holds a user already clipped in an earlier one, or a user's
     rows apart: a user is clipped once, as one, and the hooks' weighted sum, one GEMM over the rows,
     must not hold a user's running sum while other users' rows are added to it (a user whose
-    examples cancel, ±X, would round theirs away). Marks the contribution's users in ``clipped``."""
+    examples cancel, ±X, would round theirs away). Marks the contribution's users in ``clipped``
+    and returns how many they are."""
     groups = groups.cpu()
     if not len(groups):
-        return
+        return 0
     starts = torch.ones(len(groups), dtype=torch.bool)
     starts[1:] = groups[1:] != groups[:-1]
     users = groups[starts]
@@ -773,6 +774,7 @@ def _each_user_together(groups: torch.Tensor, clipped: torch.Tensor, estimator: 
                            f"within one); a user is clipped as one, so their records come side by side in one "
                            f"contribution (ctx.micro_batches keeps them so)")
     clipped[users] = True
+    return len(users)
 
 
 def _each_once(indices: torch.Tensor, n: int) -> bool:
